@@ -83,6 +83,7 @@ class RolloutConfig:
     prompt: str = opt("naive", "system-line variant: naive or privacy_enhanced (the PPE baseline)")
     max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens")
     judge_max_new_tokens: int = opt(256, "generation budget per judge call, in tokens")
+    temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)")
     batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt)")
     chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (resume unit)")
     dtype: str = opt("bfloat16", "weights dtype for generation: bfloat16 (paper; 3.4x faster prefill on AMX CPUs) or float32")
@@ -252,6 +253,12 @@ def case_context(case):
         final_action=t["final_action"], tool_args=P.FINAL_TOOLS[t["final_action"]])
 
 
+def input_skeleton(tool):
+    """'{"to": "...", "subject": "...", "body": "..."}' from the tool's required (*) arguments."""
+    required = [a.split(":")[0].rstrip("*") for a in P.FINAL_TOOLS[tool].split(", ") if "*" in a.split(":")[0]]
+    return json.dumps({name: "..." for name in required})
+
+
 def latest(path, roles):
     """The last output on the path from the root written by one of `roles` ('' if none)."""
     return next((out for role, out in reversed(path) if role in roles), "")
@@ -262,6 +269,7 @@ def build_chat(role, case, path, variant="naive"):
     system = P.SYSTEM_PRIVACY if variant == "privacy_enhanced" else P.SYSTEM_NAIVE
     user = P.TASKS[role].format(
         context=case_context(case), final_action=case["trajectory"]["final_action"],
+        input_skeleton=input_skeleton(case["trajectory"]["final_action"]),
         draft=latest(path, DRAFT_ROLES), critique=latest(path, ("verifier",)),
         facts=latest(path, ("extractor",)), labels=latest(path, ("checker",)))
     return [{"role": "system", "content": system.format(role_line=P.ROLE_LINES[role])},
@@ -331,22 +339,26 @@ def generate_shared_prefix(model, ids, mask, gen, num_return):
     return model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=gen)
 
 
-def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, desc="generate"):
+def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, desc="generate",
+                     temperature=1.0, prefix=""):
     """N chats -> N lists of `num_return` completions, plus the count of generated tokens.
 
     All prompts go through `generate` in length-sorted, left-padded batches of at most
     `batch_size` sequences, `num_return_sequences` samples each (SPEC.md section 5). Sampling
-    is plain T = 1.0 (no top-k/top-p) when num_return > 1, greedy otherwise; the model's own
-    generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used.
+    is plain temperature sampling (no top-k/top-p) when num_return > 1, greedy otherwise; the
+    model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used.
+    Each completion starts with `prefix` (one string, or one per chat), which the model continues.
     """
     from transformers import GenerationConfig
-    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
+    prefixes = prefix if isinstance(prefix, list) else [prefix] * len(chats)
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + pre
+             for c, pre in zip(chats, prefixes)]
     token_ids = tok(texts, add_special_tokens=False)["input_ids"]
     order = sorted(range(len(chats)), key=lambda i: -len(token_ids[i]))  # longest first: OOM shows early
     sample = num_return > 1
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
                            pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model, tok),
-                           **({"temperature": 1.0, "top_p": 1.0, "top_k": 0} if sample else {}))
+                           **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}))
     per_call = max(1, batch_size // num_return)
     results, n_tokens, start = [None] * len(chats), 0, time.time()
     bar = tqdm(total=len(chats) * num_return, desc=desc, unit="seq", leave=False)
@@ -359,7 +371,7 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
         n_tokens += int((new != tok.pad_token_id).sum())
         decoded = tok.batch_decode(new, skip_special_tokens=True)
         for j, i in enumerate(idx):
-            results[i] = [s.strip() for s in decoded[j * num_return:(j + 1) * num_return]]
+            results[i] = [(prefixes[i] + s).strip() for s in decoded[j * num_return:(j + 1) * num_return]]
         bar.update(len(idx) * num_return)
         bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     bar.close()
@@ -400,7 +412,7 @@ def leaves_with_paths(node, path=()):
         yield from leaves_with_paths(child, path)
 
 
-def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batch_size):
+def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batch_size, temperature=1.0):
     """Grow one tree per case, level by level. Every prompt of a level, across all cases, goes
     through one batched generate (never one call per node). Returns (roots, generated tokens)."""
     roots = [Node("input", []) for _ in cases]
@@ -410,7 +422,8 @@ def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batc
         model, tok = role_models[role]
         chats = [build_chat(role, case, path, variants[role]) for _, case, path in frontier]
         outs, n = generate_batched(model, tok, chats, width, max_new_tokens, batch_size,
-                                   desc=f"level {level} {role} x{width}")
+                                   f"level {level} {role} x{width}", temperature,
+                                   P.ACTION_PREFIX if role in DRAFT_ROLES else "")
         n_tokens += n
         next_frontier = []
         for (node, case, path), chat, texts in zip(frontier, chats, outs):
@@ -459,11 +472,16 @@ HELP_ANSWERS = {"excellent": 3, "good": 2, "unsatisfactory": 1, "poor": 0,
 
 
 def parse_verdict(text, answers):
-    """The verdict after the last 'Answer:' (case-insensitive); None when it is unparseable."""
-    at = text.lower().rfind("answer:")
+    """The verdict after the last 'Answer:' (case-insensitive); None when it is unparseable,
+    including a line that names several options (a judge echoing the answer format)."""
+    lower = text.lower()
+    at = lower.rfind("answer:")
     if at < 0:
         return None
-    word = re.match(r"[\s*\"'(\[]*([a-z0-9]+)", text[at + len("answer:"):].lower())
+    line = lower[lower.rfind("\n", 0, at) + 1:].split("\n")[0]
+    if len({answers[w] for w in re.findall(r"[a-z0-9]+", line) if w in answers}) > 1:
+        return None
+    word = re.match(r"[\s*\"'(\[]*([a-z0-9]+)", lower[at + len("answer:"):])
     return answers.get(word.group(1)) if word else None
 
 
@@ -494,7 +512,17 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size):
     if not chats:
         return 0
     outs, n_tokens = generate_batched(*judge, chats, 1, max_new_tokens, batch_size, desc="judge")
-    for (leaf, slot), (text,) in zip(owners, outs):
+    texts = [o[0] for o in outs]
+    # A judge that reasoned but never wrote "Answer:" gets that line opened for it and a few
+    # more greedy tokens; one that answered something unparseable keeps its answer (unparsed).
+    redo = [i for i, t in enumerate(texts) if "answer:" not in t.lower()]
+    if redo:
+        more, n_more = generate_batched(*judge, [chats[i] for i in redo], 1, 4, batch_size, "judge answer slot",
+                                        prefix=[texts[i] + "\nAnswer:" for i in redo])
+        n_tokens += n_more
+        for i, (text,) in zip(redo, more):
+            texts[i] = text
+    for (leaf, slot), text in zip(owners, texts):
         leaf.judgment["judge_outputs"].append(text)
         if slot == "help":
             leaf.judgment["helpfulness"] = parse_verdict(text, HELP_ANSWERS)
@@ -749,7 +777,7 @@ def rollout_run(run_dir, cases, roles, branching, cfg, role_models, judge, varia
         torch.manual_seed(cfg.seed * 1_000_003 + chunk_start // cfg.chunk_cases)
         start = time.time()
         roots, n_gen = rollout(chunk, roles, branching, role_models, variants,
-                               cfg.max_new_tokens, cfg.batch_size)
+                               cfg.max_new_tokens, cfg.batch_size, cfg.temperature)
         leaves = [(leaf, case, path_) for root, case in zip(roots, chunk)
                   for leaf, path_ in leaves_with_paths(root)]
         n_judge = judge_leaves(leaves, judge, cfg.judge_max_new_tokens, cfg.batch_size)
@@ -777,6 +805,7 @@ def generation_flags(cfg, roles, branching, variants, models):
     return {"data": cfg.data, "split": cfg.split, "topology": roles, "branching": branching,
             "variants": variants, "models": models, "max_new_tokens": cfg.max_new_tokens,
             "judge_max_new_tokens": cfg.judge_max_new_tokens, "chunk_cases": cfg.chunk_cases,
+            "temperature": cfg.temperature,
             "dtype": cfg.dtype, "seed": cfg.seed}
 
 
@@ -785,6 +814,8 @@ def check_common_flags(cfg):
         raise UsageError(f"--dtype {cfg.dtype!r}: use bfloat16, float32 or float16")
     if cfg.prompt not in ("naive", "privacy_enhanced"):
         raise UsageError(f"--prompt {cfg.prompt!r}: use naive or privacy_enhanced")
+    if cfg.temperature <= 0:
+        raise UsageError("--temperature must be > 0 (levels of width 1 decode greedily anyway)")
     for name in ("max_new_tokens", "judge_max_new_tokens", "batch_size", "chunk_cases"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")

@@ -281,7 +281,7 @@ def test_extract_action_malformed(text):
 
 @pytest.mark.parametrize("text,expected", [
     ("It mentions it.\nAnswer: Yes", True), ("answer: no.", False), ("Answer: Yes\n...\nAnswer: **No**", False),
-    ("Answer: maybe", None), ("Yes, it leaks.", None),
+    ("Answer: maybe", None), ("Yes, it leaks.", None), ("Answer: Yes  or  Answer: No", None),
 ])
 def test_parse_leak_verdict(text, expected):
     assert privact.parse_verdict(text, privact.LEAK_ANSWERS) is expected
@@ -290,6 +290,8 @@ def test_parse_leak_verdict(text, expected):
 @pytest.mark.parametrize("text,expected", [
     ("Answer: Excellent", 3), ("Answer: good (2)", 2), ("Answer: Unsatisfactory", 1), ("Answer: Poor", 0),
     ("Answer: 2", 2), ("Answer: great", None), ("Good.", None),
+    ("Excellent  or  Answer: Good  or  Answer: Unsatisfactory  or  Answer: Poor", None),  # echoed format
+    ("It is not good.\nAnswer: Poor", 0),
 ])
 def test_parse_helpfulness_verdict(text, expected):
     assert privact.parse_verdict(text, privact.HELP_ANSWERS) == expected
@@ -498,6 +500,7 @@ def test_judge_counts_unparsed_verdicts(tiny_model):
                          (model, tok), max_new_tokens=5, batch_size=4)
     assert leaf.judgment["valid"] and leaf.judgment["leaks"] == [None, None] and leaf.judgment["helpfulness"] is None
     assert len(leaf.judgment["judge_outputs"]) == 3  # one call per item + one helpfulness call
+    assert all("Answer:" in o for o in leaf.judgment["judge_outputs"])  # the answer slot was opened
     assert privact.is_unparsed(leaf.judgment) and privact.leaf_reward(leaf.judgment, {}) is None
     assert bad.judgment == {"action": None, "valid": False, "leaks": [False, False], "helpfulness": 0, "judge_outputs": []}
     assert privact.leaf_reward(bad.judgment, {}) == pytest.approx(0.3)  # invalid: no leak, H = 0 -> b2
