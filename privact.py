@@ -325,17 +325,27 @@ def generate_shared_prefix(model, ids, mask, gen, num_return):
     """`num_return` samples per prompt, prefilling each prompt once. ids, mask: [n, T] left-padded
     -> [n * num_return, T + new] with prompt i's samples at rows i*num_return .. (i+1)*num_return-1.
 
-    HF's num_return_sequences copies the prompt before prefill, so a prompt's (long) prefill
-    would run num_return times; here its KV cache is computed once and copied instead.
+    Two costs of a plain `generate(num_return_sequences=B)` are avoided: it copies each prompt B
+    times before prefill (B prefills of a long prompt), and its DynamicCache re-concatenates the
+    whole KV cache at every step (81% of a decode step for 16 sequences of 1.7k tokens on this
+    CPU). Here each prompt is prefilled once and its KV copied B times into a preallocated
+    StaticCache that decoding writes into in place.
     """
-    from transformers import DynamicCache
-    cache = DynamicCache(config=model.config)
-    if num_return > 1 and ids.shape[1] > 1:
-        position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them for left padding
-        model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-              cache=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(num_return)
-        ids, mask = ids.repeat_interleave(num_return, 0), mask.repeat_interleave(num_return, 0)
+    from transformers import DynamicCache, StaticCache
+    n, width = ids.shape
+    prefill = DynamicCache(config=model.config)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them for left padding
+    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
+          cache=prefill, use_cache=True, logits_to_keep=1)  # the last prompt token goes in generate
+    cache = StaticCache(config=model.config, max_cache_len=width + gen.max_new_tokens)
+    for dyn, static in zip(prefill.layers, cache.layers):
+        keys, values = dyn.keys.repeat_interleave(num_return, 0), dyn.values.repeat_interleave(num_return, 0)
+        static.lazy_initialization(keys, values)  # [n * num_return, kv_heads, max_len, head_dim]
+        static.keys[:, :, :width - 1].copy_(keys)
+        static.values[:, :, :width - 1].copy_(values)
+        static.cumulative_length.fill_(width - 1)
+    del prefill
+    ids, mask = ids.repeat_interleave(num_return, 0), mask.repeat_interleave(num_return, 0)
     return model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=gen)
 
 
