@@ -120,6 +120,8 @@ class TrainConfig:
     eval_every: int = opt(50, "optimizer steps between eval-loss measurements")
     max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
     mixed_precision: str = opt("no", "no or bf16 autocast (master weights stay float32); accelerate launch flags win")
+    gradient_checkpointing: bool = opt(True, "recompute layer activations in backward: long prompts make them the largest memory cost",
+                                       action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines")
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
@@ -141,7 +143,7 @@ class EvalConfig(RolloutConfig):
 def add_config_args(parser, cls):
     for f in dataclasses.fields(cls):
         kw = {k: v for k, v in f.metadata.items() if k != "help"}
-        if "nargs" not in kw:
+        if "nargs" not in kw and "action" not in kw:
             kw["type"] = type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
                             help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)", **kw)
@@ -636,8 +638,9 @@ def sequence_logps(logits, labels):
     assert logits.shape[:2] == labels.shape, f"logits {tuple(logits.shape)} vs labels {tuple(labels.shape)}"
     logits, labels = logits[:, :-1, :].float(), labels[:, 1:]  # [B, T-1, V], [B, T-1]
     mask = labels != -100
-    token_logps = torch.gather(logits.log_softmax(-1), 2, labels.masked_fill(~mask, 0).unsqueeze(-1))
-    return (token_logps.squeeze(-1) * mask).sum(-1)
+    picked = torch.gather(logits, 2, labels.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    token_logps = picked - logits.logsumexp(-1)  # log_softmax at the label, without a [B, T-1, V] copy
+    return (token_logps * mask).sum(-1)
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
@@ -987,15 +990,19 @@ def tokenize_pairs(tok, pairs, max_length):
 
 
 def collate_pairs(examples, pad_id):
-    """B pairs -> one left-padded batch of 2B sequences: the B chosen, then the B rejected.
-    input_ids, attention_mask, labels [2B, T] (labels -100 on prompt and padding); ref_* [B]."""
+    """B pairs -> one right-padded batch of 2B sequences: the B chosen, then the B rejected.
+    input_ids, labels [2B, T] (labels -100 on prompt and padding); ref_chosen, ref_rejected [B].
+
+    Right padding needs no attention mask: under causal attention no real token can see the
+    pads after it. Without a mask, SDPA on CPU runs its flash kernel; with one it falls back to
+    a kernel that stores a [T, T] attention matrix per layer for backward (17 GB for 4
+    sequences of 1.7k tokens on SmolLM2)."""
     seqs = [e["prompt"] + e[k] for k in ("chosen", "rejected") for e in examples]
-    resp = [len(e[k]) for k in ("chosen", "rejected") for e in examples]
-    ids, mask = left_pad(seqs, pad_id)
-    labels = ids.clone()
-    for row, n in enumerate(resp):
-        labels[row, :ids.shape[1] - n] = -100
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    labels = torch.tensor([[-100] * len(e["prompt"]) + e[k] + [-100] * (width - len(e["prompt"]) - len(e[k]))
+                           for k in ("chosen", "rejected") for e in examples])
+    batch = {"input_ids": ids, "labels": labels}
     if "ref_chosen" in examples[0]:
         batch["ref_chosen"] = torch.tensor([e["ref_chosen"] for e in examples])
         batch["ref_rejected"] = torch.tensor([e["ref_rejected"] for e in examples])
@@ -1003,16 +1010,25 @@ def collate_pairs(examples, pad_id):
 
 
 def batch_logps(model, batch):
-    """Policy log-probs of a collated batch -> (chosen [B], rejected [B]). With left padding all
-    responses sit at the end, so only the last `keep` positions need logits over the vocabulary:
-    on PrivacyLens prompts are most of the tokens, so this saves most of the [2B, T, V] logits."""
+    """Log-probs of a collated batch -> (chosen [B], rejected [B]).
+
+    Vocabulary logits are computed only over each row's own response window: the final hidden
+    states [2B, T, H] are gathered at positions start-1 .. start+R-1 (R = longest response) and
+    only those [2B, R+1, H] go through the LM head. PrivacyLens prompts are most of each
+    sequence, so this skips almost all of the [2B, T, V] logits (and their gradient).
+    """
     labels = batch["labels"]
-    first = int((labels != -100).float().argmax(-1).min())  # earliest response token in the batch
-    keep = labels.shape[1] - first + 1
-    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   position_ids=position_ids, logits_to_keep=keep).logits  # [2B, keep, V]
-    logps = sequence_logps(logits, labels[:, -keep:])
+    is_resp = labels != -100
+    start = is_resp.float().argmax(-1)  # [2B] first response token
+    width = int(is_resp.sum(-1).max()) + 1
+    pos = start[:, None] - 1 + torch.arange(width, device=labels.device)  # [2B, R+1]
+    inside = pos < labels.shape[1]
+    pos = pos.clamp(max=labels.shape[1] - 1)
+    out = model(input_ids=batch["input_ids"], output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [2B, T, H], after the final norm
+    window = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [2B, R+1, H]
+    lm_head = getattr(model, "module", model).get_output_embeddings()  # DeepSpeed/DDP wrap the model
+    logps = sequence_logps(lm_head(window), labels.gather(1, pos).masked_fill(~inside, -100))
     half = logps.shape[0] // 2
     return logps[:half], logps[half:]
 
@@ -1132,6 +1148,8 @@ def cmd_train(cfg):
     steps_per_epoch = math.ceil(math.ceil(len(train_loader) / accelerator.num_processes) / cfg.grad_accum)
     total_steps = min(epochs * steps_per_epoch, cfg.max_steps or float("inf"))
     model.train()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = make_optimizer(model, cfg, accelerator)
     # The prepared scheduler steps once per process at each optimizer step, hence the factor.
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps) * accelerator.num_processes,

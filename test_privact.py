@@ -535,13 +535,15 @@ def dpo_loss_of(model_path, ref_path, pairs):
     policy, tok = privact.load_model(model_path)
     ref, _ = privact.load_model(ref_path)
     examples, _, _ = privact.tokenize_pairs(tok, pairs, 4096)
-    batch = privact.collate_pairs(examples, tok.pad_token_id)
-    with torch.no_grad():
-        lp = privact.sequence_logps(policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                           position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits, batch["labels"])
-        lr = privact.sequence_logps(ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                        position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits, batch["labels"])
-    n = len(examples)
+    lp, lr = [], []
+    with torch.no_grad():  # one unpadded sequence at a time: no padding or masking to get wrong
+        for key in ("chosen", "rejected"):
+            for e in examples:
+                ids = torch.tensor([e["prompt"] + e[key]])
+                labels = torch.tensor([[-100] * len(e["prompt"]) + e[key]])
+                lp.append(privact.sequence_logps(policy(input_ids=ids).logits, labels))
+                lr.append(privact.sequence_logps(ref(input_ids=ids).logits, labels))
+    lp, lr, n = torch.cat(lp), torch.cat(lr), len(examples)
     losses, cr, rr = privact.dpo_loss(lp[:n], lp[n:], lr[:n], lr[n:], 0.4)
     return losses.mean().item(), (cr > rr).float().mean().item()
 
@@ -566,6 +568,20 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model, monkeypatch):
     model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
     ids = tok("hello", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+def test_batch_logps_match_unpadded_sequences(tiny_model):
+    """Right padding without a mask, and logits only for the response tail, change nothing."""
+    model, tok = privact.load_model(tiny_model)
+    examples = [{"prompt": list(range(3, 3 + n)), "chosen": [7] * c, "rejected": [9] * r}
+                for n, c, r in ((40, 5, 9), (12, 3, 2), (25, 8, 1))]
+    with torch.no_grad():
+        chosen, rejected = privact.batch_logps(model, privact.collate_pairs(examples, tok.pad_token_id))
+        for i, e in enumerate(examples):
+            for key, got in (("chosen", chosen[i]), ("rejected", rejected[i])):
+                ids = torch.tensor([e["prompt"] + e[key]])
+                labels = torch.tensor([[-100] * len(e["prompt"]) + e[key]])
+                assert got.item() == pytest.approx(privact.sequence_logps(model(input_ids=ids).logits, labels).item(), abs=1e-4)
 
 
 def test_train_bad_inputs(tmp_path, tiny_model, capsys):
