@@ -609,7 +609,7 @@ def walk(node):
 def build_pairs(root, taus):
     """For every node, its children of a role in `taus` split into positives (V >= tau) and
     negatives (V < tau); every positive x negative becomes a pair (paper 3.2.2). The prompt is
-    the chat those siblings saw."""
+    the chat those siblings saw (in a rollout tree all children of a node share it)."""
     pairs = []
     for node in walk(root):
         for role, tau in taus.items():
@@ -617,11 +617,8 @@ def build_pairs(root, taus):
             assert all(c.value is not None for c in kids), "run propagate_values before build_pairs"
             pos = [c for c in kids if c.value >= tau]
             neg = [c for c in kids if c.value < tau]
-            for p in pos:
-                for n in neg:
-                    assert p.prompt == n.prompt, "siblings must share their prompt"
-                    pairs.append({"role": role, "prompt": p.prompt, "chosen": p.output,
-                                  "rejected": n.output})
+            pairs += [{"role": role, "prompt": p.prompt, "chosen": p.output, "rejected": n.output}
+                      for p in pos for n in neg]
     return pairs
 
 
@@ -1115,50 +1112,28 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def cmd_train(cfg):
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from transformers import get_cosine_schedule_with_warmup
-    if not cfg.pairs:
-        raise UsageError("--pairs is required (a pairs_<role>.jsonl written by collect)")
-    role, pairs = load_pairs(cfg.pairs, cfg.role)
-    out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", role)
-    if os.path.exists(os.path.join(out, "config.json")):
-        raise UsageError(f"--out {out}: already holds a checkpoint; choose another folder")
-    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
-                              mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision)
-    set_seed(cfg.seed)
-    model, tok = load_model(cfg.model, dtype=torch.float32, device=accelerator.device)  # fp32 master weights
-
+def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator):
+    """Tokenise, add reference log-probs (once), shuffle with the seed, hold out --eval-fraction.
+    -> (train examples, eval examples, stats)."""
     examples, truncated, skipped = tokenize_pairs(tok, pairs, cfg.max_length)
     accelerator.print(f"{len(examples)} pairs for role {role}; {truncated} cut in the prompt's middle, "
                       f"{skipped} skipped as too long for --max-length {cfg.max_length}")
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
+    start = time.time()
     reference_logps(model, examples, cfg.batch_size, tok.pad_token_id)
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
-    eval_ex, train_ex = examples[:n_eval], examples[n_eval:]
+    stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped,
+             "train/reference_seconds": round(time.time() - start, 1)}
+    return examples[n_eval:], examples[:n_eval], stats
 
-    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
-    train_loader = torch.utils.data.DataLoader(train_ex, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate,
-                                               generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
-    steps_per_epoch = math.ceil(math.ceil(len(train_loader) / accelerator.num_processes) / cfg.grad_accum)
-    total_steps = min(epochs * steps_per_epoch, cfg.max_steps or float("inf"))
-    model.train()
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    optimizer = make_optimizer(model, cfg, accelerator)
-    # The prepared scheduler steps once per process at each optimizer step, hence the factor.
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps) * accelerator.num_processes,
-                                                total_steps * accelerator.num_processes)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
 
+def dpo_train_loop(cfg, model, optimizer, scheduler, train_loader, eval_loader, total_steps, epochs, accelerator):
+    """Gradient accumulation through the Accelerator; one log row per optimizer step.
+    -> (history, optimizer steps, pairs seen, seconds)."""
     history, window, step, seen, start = [], [], 0, 0, time.time()
-    bar = tqdm(total=total_steps, desc=f"DPO {role}", unit="step", disable=not accelerator.is_main_process)
+    bar = tqdm(total=total_steps, desc="DPO", unit="step", disable=not accelerator.is_main_process)
     for epoch in range(epochs):
         for batch in train_loader:
             with accelerator.accumulate(model):
@@ -1177,7 +1152,7 @@ def cmd_train(cfg):
             row = {"step": step, "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
                    "train/lr": scheduler.get_last_lr()[0], "train/pairs_per_s": seen / (time.time() - start)}
             window = []
-            if n_eval and (step % cfg.eval_every == 0 or step == total_steps):
+            if eval_loader is not None and (step % cfg.eval_every == 0 or step == total_steps):
                 row.update(evaluate_dpo(model, eval_loader, cfg.beta, accelerator))
             history.append(row)
             bar.update(1)
@@ -1185,17 +1160,52 @@ def cmd_train(cfg):
             if step % cfg.log_every == 0:
                 accelerator.print(json.dumps(row))
             if step >= total_steps:
-                break
-        if step >= total_steps:
-            break
+                bar.close()
+                return history, step, seen, time.time() - start
     bar.close()
-    metrics = {"role": role, "train/steps": step, "train/pairs": len(train_ex), "eval/pairs": n_eval,
-               "train/truncated_pairs": truncated, "train/skipped_pairs": skipped,
-               "train/seconds": round(time.time() - start, 1), "train/pairs_per_s": seen / (time.time() - start),
+    return history, step, seen, time.time() - start
+
+
+def cmd_train(cfg):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import get_cosine_schedule_with_warmup
+    if not cfg.pairs:
+        raise UsageError("--pairs is required (a pairs_<role>.jsonl written by collect)")
+    role, pairs = load_pairs(cfg.pairs, cfg.role)
+    out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", role)
+    if os.path.exists(os.path.join(out, "config.json")):
+        raise UsageError(f"--out {out}: already holds a checkpoint; choose another folder")
+    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
+                              mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision)
+    set_seed(cfg.seed)
+    model, tok = load_model(cfg.model, dtype=torch.float32, device=accelerator.device)  # fp32 master weights
+    train_ex, eval_ex, stats = prepare_dpo_data(cfg, role, pairs, model, tok, accelerator)
+
+    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
+    train_loader = torch.utils.data.DataLoader(train_ex, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate,
+                                               generator=torch.Generator().manual_seed(cfg.seed))
+    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
+    steps_per_epoch = math.ceil(math.ceil(len(train_loader) / accelerator.num_processes) / cfg.grad_accum)
+    total_steps = min(epochs * steps_per_epoch, cfg.max_steps or float("inf"))
+    model.train()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(model, cfg, accelerator)
+    # The prepared scheduler steps once per process at each optimizer step, hence the factor.
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps) * accelerator.num_processes,
+                                                total_steps * accelerator.num_processes)
+    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, eval_loader, scheduler)
+
+    history, step, seen, seconds = dpo_train_loop(cfg, model, optimizer, scheduler, train_loader,
+                                                  eval_loader if eval_ex else None, total_steps, epochs, accelerator)
+    metrics = {"role": role, "train/steps": step, "train/pairs": len(train_ex), "eval/pairs": len(eval_ex), **stats,
+               "train/seconds": round(seconds, 1), "train/pairs_per_s": seen / seconds,
                "train/peak_rss_mb": round(peak_rss_mb(), 1), "final": history[-1] if history else {},
                "history": history, "flags": dataclasses.asdict(cfg),
-               "deepspeed": accelerator.state.deepspeed_plugin is not None,
-               "num_processes": accelerator.num_processes}
+               "deepspeed": accelerator.state.deepspeed_plugin is not None, "num_processes": accelerator.num_processes}
     save_checkpoint(accelerator, model, tok, out, metrics)
     accelerator.print(f"saved {out} ({step} steps, {metrics['train/pairs_per_s']:.2f} pairs/s, "
                       f"peak RSS {metrics['train/peak_rss_mb']:.0f} MB)")

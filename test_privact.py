@@ -405,6 +405,8 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
         for leaf, path in leaves:
             assert [r for r, _ in path] == ["generator", "verifier", "refiner"]
             assert leaf.prompt[-1]["content"].count(path[0][1]) >= 1  # the refiner saw the draft
+        for node in privact.walk(root):  # siblings share the chat they saw, so a pair has one prompt
+            assert all(c.prompt == node.children[0].prompt for c in node.children)
             assert set(leaf.judgment) >= {"action", "valid", "leaks", "helpfulness"}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["collect/cases"] == 2 and summary["collect/leaves"] == 16
@@ -550,18 +552,19 @@ def dpo_loss_of(model_path, ref_path, pairs):
 
 def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model, monkeypatch):
     pairs_path = tmp_path / "pairs_refiner.jsonl"
-    pairs = write_pairs(pairs_path, "refiner")
+    pairs = write_pairs(pairs_path, "refiner", 10)
     ref_calls = []
     real_ref = privact.reference_logps
     monkeypatch.setattr(privact, "reference_logps", lambda *a, **k: ref_calls.append(1) or real_ref(*a, **k))
     out = tmp_path / "ckpt"
     assert run_cli("train", "--pairs", pairs_path, "--model", tiny_model, "--out", out, "--lr", "3e-3",
-                   "--batch-size", "4", "--grad-accum", "1", "--epochs", "3", "--eval-fraction", "0") == 0
+                   "--batch-size", "4", "--grad-accum", "1", "--epochs", "3", "--eval-fraction", "0.2") == 0
     assert ref_calls == [1], "reference log-probs are computed once, before training"
     metrics = json.loads((out / "train_metrics.json").read_text())
     hist = metrics["history"]
     assert metrics["role"] == "refiner" and len(hist) == 6 and metrics["flags"]["seed"] == 0
     assert hist[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 0
+    assert metrics["eval/pairs"] == 2 and "eval/loss" in hist[-1] and "eval/loss" not in hist[0]
     loss, acc = dpo_loss_of(str(out), tiny_model, pairs)
     assert loss < math.log(2) - 0.05 and acc == 1.0
     from transformers import AutoModelForCausalLM, AutoTokenizer
