@@ -442,6 +442,8 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
 
 def test_collect_refuses_changed_generation_flags(tmp_path, data_file, tiny_model, capsys):
     run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, str(tmp_path / "no_model"), "--num-cases", "1")) == 2
+    assert "could not load" in capsys.readouterr().err  # a failed start leaves no config to trip over
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1")) == 0
     before = (run / "rollouts.jsonl").read_bytes()
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--seed", "5")) == 2
