@@ -118,7 +118,8 @@ class TrainConfig:
     eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss")
     eval_every: int = opt(50, "optimizer steps between eval-loss measurements")
     max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
-    mixed_precision: str = opt("no", "no or bf16 autocast (master weights stay float32); accelerate launch flags win")
+    mixed_precision: str = opt("no", "no or bf16 autocast, master weights stay float32 (a DPO step ran 2.2x faster "
+                                     "in bf16 on this AMX CPU); accelerate launch flags win")
     gradient_checkpointing: bool = opt(True, "recompute layer activations in backward: long prompts make them the largest memory cost",
                                        action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines")
@@ -1126,7 +1127,8 @@ def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator):
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     start = time.time()
-    reference_logps(model, examples, cfg.batch_size, tok.pad_token_id)
+    with accelerator.autocast():  # the same precision as the policy, so step 0 is exactly at log 2
+        reference_logps(model, examples, cfg.batch_size, tok.pad_token_id)
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
     stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped,

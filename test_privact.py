@@ -42,6 +42,13 @@ def make_case(name, final_action="MessengerSendMessage", items=("Alice has diabe
         "final_action": final_action, "sensitive_info_items": list(items)}}
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; tests run several trainings in one process."""
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state(True)
+
+
 @pytest.fixture
 def data_file(tmp_path):
     cases = [make_case(f"case{i}", "GmailSendEmail" if i % 2 else "MessengerSendMessage",
@@ -587,6 +594,16 @@ def test_batch_logps_match_unpadded_sequences(tiny_model):
                 ids = torch.tensor([e["prompt"] + e[key]])
                 labels = torch.tensor([[-100] * len(e["prompt"]) + e[key]])
                 assert got.item() == pytest.approx(privact.sequence_logps(model(input_ids=ids).logits, labels).item(), abs=1e-4)
+
+
+def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
+    pairs_path = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs_path, "verifier", 4)
+    out = tmp_path / "bf16"
+    assert run_cli("train", "--pairs", pairs_path, "--model", tiny_model, "--out", out, "--batch-size", "4",
+                   "--max-steps", "1", "--eval-fraction", "0", "--mixed-precision", "bf16") == 0
+    hist = json.loads((out / "train_metrics.json").read_text())["history"]
+    assert hist[0]["train/loss"] == pytest.approx(math.log(2), abs=2e-2)  # reference under the same autocast
 
 
 def test_train_bad_inputs(tmp_path, tiny_model, capsys):
