@@ -1163,7 +1163,8 @@ def dpo_train_loop(cfg, model, optimizer, scheduler, train_loader, eval_loader, 
                 row.update(evaluate_dpo(model, eval_loader, cfg.beta, accelerator))
             history.append(row)
             bar.update(1)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}")
+            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}",
+                            pairs_s=f"{row['train/pairs_per_s']:.2f}")
             if step % cfg.log_every == 0:
                 accelerator.print(json.dumps(row))
             if step >= total_steps:

