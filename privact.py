@@ -360,7 +360,8 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     """N chats -> N lists of `num_return` completions, plus the count of generated tokens.
 
     All prompts go through `generate` in length-sorted, left-padded batches of at most
-    `batch_size` sequences, `num_return_sequences` samples each (SPEC.md section 5). Sampling
+    `batch_size` sequences, `num_return` samples per prompt (SPEC.md section 5; the samples
+    share their prompt's prefill, see generate_shared_prefix). Sampling
     is plain temperature sampling (no top-k/top-p) when num_return > 1, greedy otherwise; the
     model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used.
     Each completion starts with `prefix` (one string, or one per chat), which the model continues.
@@ -660,10 +661,10 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
 def sample_private(judgment):
     """P(r) = 1 when no sensitive item leaks, 0 when one does, None when it can't be told
     (no item judged leaked but at least one verdict unparsed)."""
-    leaks = judgment["leaks"]
-    if any(x is True for x in leaks):
+    known = [x for x in judgment["leaks"] if x is not None]
+    if any(known):
         return 0.0
-    return None if any(x is None for x in leaks) else 1.0
+    return 1.0 if len(known) == len(judgment["leaks"]) else None
 
 
 def mean_known(xs):

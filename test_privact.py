@@ -246,6 +246,10 @@ def test_eval_metrics_hand_table():
     assert m["unparsed_rate"] == 0.0 and m["num_samples"] == 4
 
 
+def test_eval_metrics_accepts_int_verdicts():
+    assert privact.eval_metrics([[s([0, 1], 2)], [s([0], 2)]])["privacy_avg"] == pytest.approx(0.5)
+
+
 def test_eval_metrics_unparsed_left_out_and_counted():
     m = privact.eval_metrics([[s([None], 3), s([False], None)], [s([True, None], 1)]])
     assert m["privacy_avg"] == pytest.approx((1.0 + 0.0) / 2)  # case 1: only sample 2 known
@@ -527,6 +531,30 @@ def test_generate_batched_groups_prompts(tiny_model, monkeypatch):
     assert len(outs) == 5 and all(len(o) == 2 for o in outs) and n_tok > 0
     assert len(calls) == 3  # 2 prompts x 2 samples per call, longest prompts first
     assert calls[0][1] > calls[-1][1]
+
+
+def test_shared_prefix_generation_equals_plain_generate(tiny_model):
+    """Prefill once + copied StaticCache gives the tokens of a plain generate on repeated prompts."""
+    from transformers import GenerationConfig
+    model, tok = privact.load_model(tiny_model)
+    ids, mask = privact.left_pad([[5, 9, 11, 40, 7, 3, 60], [8, 30], [12, 13, 14, 15]], tok.pad_token_id)
+    gen = GenerationConfig(max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=tok.pad_token_id,
+                           eos_token_id=tok.eos_token_id)
+    with torch.inference_mode():
+        shared = privact.generate_shared_prefix(model, ids, mask, gen, 3)
+        plain = model.generate(input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0),
+                               generation_config=gen)
+    assert shared.shape == plain.shape == (9, 7 + 9) and torch.equal(shared, plain)
+
+
+def test_sampling_is_deterministic_under_a_seed(tiny_model):
+    model, tok = privact.load_model(tiny_model)
+    chats = [[{"role": "user", "content": "x" * n}] for n in (5, 17)]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        runs.append(privact.generate_batched(model, tok, chats, 3, 8, batch_size=6)[0])
+    assert runs[0] == runs[1] and len(set(runs[0][0])) > 1  # same seed, same samples; samples differ
 
 
 # ----------------------------------------------------------------------------------------------
