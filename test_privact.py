@@ -21,7 +21,6 @@ import privact
 from privact import Node
 
 HERE = Path(__file__).resolve().parent
-SHARED_DATA = HERE.parent / "shared" / "data" / "privacylens"
 TOOL_INPUTS = {
     "GmailSendEmail": {"to": "bob@x.com", "subject": "Hi", "body": "Hello Bob"},
     "MessengerSendMessage": {"recipient_id": "bob", "message": "Hello Bob"},
@@ -318,12 +317,17 @@ def test_split_sizes_and_disjoint():
     assert train[:5] == [127, 484, 45, 163, 53]  # main128, main485, main46, ... of the released split
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "split.json").exists(), reason="needs ../shared/data/privacylens")
-def test_split_reproduces_released_split():
-    released = json.loads((SHARED_DATA / "split.json").read_text())
-    for split in ("train", "test"):
-        names = [c["name"] for c in privact.load_cases(str(SHARED_DATA / "main_data.json"), split)]
-        assert names == released[split]
+# sha256 of the newline-joined case names of the released split.json (394 train, 99 test cases)
+RELEASED_SPLIT = {"train": (394, "main128", "a3c867d7725f089cabee5ddf5a01114fba019c8a7ca06bf4d7c9b08dda060de6"),
+                  "test": (99, "main37", "c22c6eeb08d13b39a89de2330a68d7f520688396b4fadabfa72c66574a02e05b")}
+
+
+def test_split_reproduces_released_split_on_bundled_data():
+    import hashlib
+    for split, (n, first, digest) in RELEASED_SPLIT.items():
+        names = [c["name"] for c in privact.load_cases("", split)]  # "" = the bundled main_data.json
+        assert len(names) == n and names[0] == first
+        assert hashlib.sha256("\n".join(names).encode()).hexdigest() == digest
 
 
 @pytest.mark.parametrize("mutate,message", [
@@ -533,18 +537,59 @@ def test_generate_batched_groups_prompts(tiny_model, monkeypatch):
     assert calls[0][1] > calls[-1][1]
 
 
+def plain_generate(model, tok, seqs, gen, num_return=1):
+    """The reference: one left-padded batch through model.generate, each prompt repeated."""
+    width = max(map(len, seqs))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.repeat_interleave(num_return, 0),
+                             attention_mask=mask.repeat_interleave(num_return, 0), generation_config=gen)
+    return out[:, width:]
+
+
 def test_shared_prefix_generation_equals_plain_generate(tiny_model):
-    """Prefill once + copied StaticCache gives the tokens of a plain generate on repeated prompts."""
+    """Each group's prefix prefilled once, its KV copied to the members and their samples: the
+    tokens of a plain generate, with groups of shared and unshared prefixes of different lengths."""
     from transformers import GenerationConfig
     model, tok = privact.load_model(tiny_model)
-    ids, mask = privact.left_pad([[5, 9, 11, 40, 7, 3, 60], [8, 30], [12, 13, 14, 15]], tok.pad_token_id)
+    base = list(range(20, 60))
+    seqs = [base + [5, 9, 11] * 4 + [5], base + [7] * 11, base[:30] + [8, 30, 31, 32, 33],  # share 30 tokens
+            [12, 13, 14, 15], [12, 13, 14, 15, 16, 17],  # share 4, but each keeps its last token: 3
+            [3] * 9]  # alone: all but its last token is "prefix"
     gen = GenerationConfig(max_new_tokens=9, min_new_tokens=9, do_sample=False, pad_token_id=tok.pad_token_id,
                            eos_token_id=tok.eos_token_id)
     with torch.inference_mode():
-        shared = privact.generate_shared_prefix(model, ids, mask, gen, 3)
-        plain = model.generate(input_ids=ids.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0),
-                               generation_config=gen)
-    assert shared.shape == plain.shape == (9, 7 + 9) and torch.equal(shared, plain)
+        out, width, prefilled = privact.generate_shared_prefix(model, seqs, [0, 0, 0, 1, 1, 2], tok.pad_token_id, gen, 3)
+    assert width == 30 + 23 and out.shape == (18, width + 9)  # longest prefix + longest rest (53 - 30)
+    assert torch.equal(out[:, width:], plain_generate(model, tok, seqs, gen, 3))
+    # prefixes 30 + 3 + 8, the rests minus their last token (23-1) + (21-1) + (5-1) + 0 + 2 + 0, and
+    # every sample's last prompt token: 6 prompts x 3 samples
+    assert prefilled == 41 + 48 + 18
+
+
+def test_prefix_groups_split_cases_keep_a_case_together():
+    system = list(range(100, 140))  # all prompts share a system line: not enough to group them
+    case_a, case_b = system + [1] * 300, system + [2] * 200
+    prompts = [case_b + [7, 8], case_a + [9], system + [3] * 50, case_a + [5, 5], case_b + [6]]
+    assert privact.prefix_groups(prompts) == [[3, 1], [4, 0], [2]]  # longest group first, members side by side
+
+
+def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
+    """generate_batched (grouping, shared prefixes, batches) on bundled PrivacyLens verifier and
+    generator prompts gives each prompt the greedy tokens of its own plain generate call."""
+    from transformers import GenerationConfig
+    model, tok = privact.load_model(tiny_model)
+    cases = privact.load_cases("", "train", 3)
+    chats = [privact.build_chat("verifier", c, [("generator", f"Thought: send it{'!' * k}\nAction: X")])
+             for c in cases[:2] for k in range(3)] + [privact.build_chat("generator", cases[2], [])]
+    stats = {}
+    outs, _ = privact.generate_batched(model, tok, chats, 1, 8, batch_size=4, stats=stats)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    for chat, (text,) in zip(chats, outs):
+        ids = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        assert text == tok.decode(plain_generate(model, tok, [ids], gen)[0], skip_special_tokens=True).strip()
+    assert stats["prompt_tokens_prefilled"] < stats["prompt_tokens_plain"] / 2  # each case's context once per batch
 
 
 def test_sampling_is_deterministic_under_a_seed(tiny_model):

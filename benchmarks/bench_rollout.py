@@ -41,7 +41,7 @@ def per_prompt(model, tok, chats, num_return, max_new_tokens, temperature):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=privact.HUB_DATA, help="PrivacyLens main_data.json path or hub id")
+    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
     ap.add_argument("--model", default="smollm2", help="model to benchmark (default: the embedded SmolLM2-135M)")
     ap.add_argument("--num-prompts", type=int, default=8, help="generator prompts (train cases)")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt, B (collect's default branching)")

@@ -81,7 +81,7 @@ def child(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=privact.HUB_DATA, help="PrivacyLens main_data.json path or hub id")
+    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
     ap.add_argument("--pairs", default="", help="a pairs JSONL to train on (default: built from --num-pairs cases)")
     ap.add_argument("--num-pairs", type=int, default=8, help="pairs to build from train cases when --pairs is not given")
     ap.add_argument("--model", default="smollm2", help="model to train (default: the embedded SmolLM2-135M)")

@@ -1,0 +1,107 @@
+"""Whole-collect cost: privact's collect path vs the straightforward Hugging Face loop.
+
+Both collect the same cases in one process with the same models, seed, dtype and limits:
+
+- privact:  privact.rollout_chunk, the function `collect` runs on each chunk of cases: every
+            level's prompts across the chunk in batched, shared-prefix generate calls, then all
+            judge prompts batched the same way.
+- HF loop:  what one writes first. One model.generate(num_return_sequences=B) per tree node and
+            one model.generate per judge prompt (plus the same 4-token answer-slot retry when a
+            verdict has no "Answer:"). It replays privact's tree: each node's children are
+            sampled from the very prompt privact's children saw, and it judges the same leaves,
+            so both sides process the same prompts and only the calling pattern differs.
+
+It prints seconds per case for both; the last line is a JSON object with `speedup` (HF loop
+seconds / privact seconds) and the prompt tokens privact prefilled vs a plain prefill.
+
+    python benchmarks/bench_collect.py                      # 2 train cases, 2,2,2, 64 new tokens
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import privact  # noqa: E402
+
+
+def hf_generate(model, tok, chat, num_return, max_new_tokens, temperature, prefix=""):
+    from transformers import GenerationConfig
+    sample = num_return > 1
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, num_return_sequences=num_return,
+                           pad_token_id=tok.pad_token_id, eos_token_id=privact.stop_token_ids(model, tok),
+                           **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}))
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefix
+    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+    return [prefix + t for t in tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)]
+
+
+def hf_loop(records, cases, roles, branching, model, tok, args):
+    """One generate per node of privact's trees (same prompts), one per judge prompt of its leaves."""
+    for rec, case in zip(records, cases):
+        frontier = [privact.node_from_dict(rec["tree"])]
+        for role, width in zip(roles, branching):
+            for node in frontier:
+                prefix = privact.P.ACTION_PREFIX if role in privact.DRAFT_ROLES else ""
+                hf_generate(model, tok, node.children[0].prompt, width, args.max_new_tokens, args.temperature, prefix)
+            frontier = [c for node in frontier for c in node.children]
+        for leaf in frontier:
+            action = leaf.judgment["action"]
+            if not leaf.judgment["valid"]:
+                continue
+            for chat in privact.judge_prompts_for(case, privact.format_action(action["tool"], action["input"])):
+                text = hf_generate(model, tok, chat, 1, args.judge_max_new_tokens, 1.0)[0]
+                if "answer:" not in text.lower():
+                    hf_generate(model, tok, chat, 1, 4, 1.0, text + "\nAnswer:")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
+    ap.add_argument("--model", default="smollm2", help="policy and judge model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--num-cases", type=int, default=2, help="train cases to collect")
+    ap.add_argument("--branching", default="2,2,2", help="samples per node at each level")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="agent output budget, both sides")
+    ap.add_argument("--judge-max-new-tokens", type=int, default=64, help="judge output budget, both sides")
+    ap.add_argument("--batch-size", type=int, default=16, help="privact's sequences per generate call")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (privact's default) or float32")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed, the same for both sides")
+    args = ap.parse_args()
+
+    roles = privact.parse_topology("generator,verifier,refiner")
+    branching = privact.parse_branching(args.branching, roles)
+    cases = privact.load_cases(args.data, "train", args.num_cases)
+    model, tok = privact.load_model(args.model, dtype=getattr(torch, args.dtype))
+    models = {**{r: (model, tok) for r in roles}, "judge": (model, tok)}
+    cfg = argparse.Namespace(max_new_tokens=args.max_new_tokens, judge_max_new_tokens=args.judge_max_new_tokens,
+                             batch_size=args.batch_size, temperature=args.temperature)
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    records = privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
+    ours = (time.perf_counter() - start) / len(cases)
+    print(f" privact: {ours:.1f} s per case", flush=True)
+    model.set_attn_implementation("sdpa")  # stock transformers; privact's CPU decode attention is one of its speed-ups
+    torch.manual_seed(args.seed)
+    start = time.perf_counter()
+    hf_loop(records, cases, roles, branching, model, tok, args)
+    theirs = (time.perf_counter() - start) / len(cases)
+    print(f" HF loop: {theirs:.1f} s per case", flush=True)
+    leaves = [leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))]
+    total = lambda k: round(sum(r[k] for r in records))  # noqa: E731
+    print(json.dumps({"bench": "collect", "args": vars(args), "threads": torch.get_num_threads(),
+                      "privact_seconds_per_case": round(ours, 2), "hf_loop_seconds_per_case": round(theirs, 2),
+                      "speedup": round(theirs / ours, 2), "leaves": len(leaves),
+                      "valid_leaves": sum(j["valid"] for j in leaves),
+                      "generated_tokens": total("generated_tokens"), "judge_tokens": total("judge_tokens"),
+                      "prompt_tokens_prefilled": total("prompt_tokens_prefilled"),
+                      "prompt_tokens_plain": total("prompt_tokens_plain")}))
+
+
+if __name__ == "__main__":
+    main()
