@@ -97,7 +97,7 @@ class RolloutConfig:
 
 @dataclass
 class CollectConfig(RolloutConfig):
-    run: str = opt("runs/collect", "run directory: rollouts.jsonl, pairs_<role>.jsonl, summary.json")
+    out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)")
@@ -129,6 +129,9 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(True, "recompute layer activations in backward: long prompts make them the largest memory cost",
                                        action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines")
+    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun the "
+                              "same command after a kill to resume")
+    keep_state: bool = opt(False, "keep <out>.state after the final checkpoint is saved", action=argparse.BooleanOptionalAction)
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
 
@@ -1125,16 +1128,16 @@ def cmd_collect(cfg):
                              models={"policy": cfg.model, "judge": paths["judge"]},
                              judge_max_new_tokens=cfg.judge_max_new_tokens)
     work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_stage(cfg.run, list(cases), flags, paths, cfg.dtype, work, cfg)
+    records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
     if records is None:  # not the main process: it is done once its shard is written
         return
     records = [records[n] for n in cases]
     pairs, stats = pairs_from_records(records, taus, reward_kw)
     for role, rows in pairs.items():
-        write_atomic(os.path.join(cfg.run, f"pairs_{role}.jsonl"), jsonl(rows))
+        write_atomic(os.path.join(cfg.out, f"pairs_{role}.jsonl"), jsonl(rows))
     summary = {**collect_summary(records, pairs, stats), "collect/wall_seconds": round(time.time() - start, 1),
                "flags": dataclasses.asdict(cfg)}
-    write_json(os.path.join(cfg.run, "summary.json"), summary)
+    write_json(os.path.join(cfg.out, "summary.json"), summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "flags"}, indent=2))
     for line in no_pairs_reasons(summary, taus):
         print(line, file=sys.stderr)
@@ -1223,61 +1226,84 @@ def tokenize_pairs(tok, pairs, max_length):
 
 
 def collate_pairs(examples, pad_id):
-    """B pairs -> one right-padded batch of 2B sequences: the B chosen, then the B rejected.
-    input_ids, labels [2B, T] (labels -100 on prompt and padding); ref_chosen, ref_rejected [B].
-
-    Right padding needs no attention mask: under causal attention no real token can see the
-    pads after it. Without a mask, SDPA on CPU runs its flash kernel; with one it falls back to
-    a kernel that stores a [T, T] attention matrix per layer for backward (17 GB for 4
-    sequences of 1.7k tokens on SmolLM2)."""
-    seqs = [e["prompt"] + e[k] for k in ("chosen", "rejected") for e in examples]
-    width = max(len(s) for s in seqs)
-    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
-    labels = torch.tensor([[-100] * len(e["prompt"]) + e[k] + [-100] * (width - len(e["prompt"]) - len(e[k]))
-                           for k in ("chosen", "rejected") for e in examples])
-    batch = {"input_ids": ids, "labels": labels}
+    """B pairs -> one right-padded batch of B packed rows [prompt | chosen | rejected], so the
+    prompt (most of a PrivacyLens sequence) goes through the model once for both responses.
+    The rejected tokens' position ids restart after the prompt and the mask hides the chosen
+    tokens from them: each response is scored exactly as if it followed the prompt alone.
+    Returns input_ids, position_ids [B, T]; attention_mask bool [B, 1, T, T] (True = attend;
+    padding attends causally and is never read); chosen_at, chosen_ids [B, Rc] and rejected_at,
+    rejected_ids [B, Rr]: the positions whose next-token prediction scores each response token,
+    and those tokens (-100 = padding); ref_chosen, ref_rejected [B] once computed."""
+    width = max(len(e["prompt"]) + len(e["chosen"]) + len(e["rejected"]) for e in examples)
+    ids, pos, mask = torch.full((len(examples), width), pad_id), torch.zeros(len(examples), width, dtype=torch.long), []
+    targets = {"chosen": [], "rejected": []}
+    for i, e in enumerate(examples):
+        p, c, r = len(e["prompt"]), len(e["chosen"]), len(e["rejected"])
+        ids[i, :p + c + r] = torch.tensor(e["prompt"] + e["chosen"] + e["rejected"])
+        pos[i, :p + c + r] = torch.cat([torch.arange(p + c), torch.arange(p, p + r)])
+        m = torch.ones(width, width, dtype=torch.bool).tril()
+        m[p + c:p + c + r, p:p + c] = False  # rejected tokens do not see the chosen ones
+        mask.append(m)
+        targets["chosen"].append(([p - 1] + list(range(p, p + c - 1)), e["chosen"]))
+        targets["rejected"].append(([p - 1] + list(range(p + c, p + c + r - 1)), e["rejected"]))
+    batch = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.stack(mask)[:, None]}
+    for key, rows in targets.items():
+        w = max(len(t) for _, t in rows)
+        batch[f"{key}_at"] = torch.tensor([at + [0] * (w - len(at)) for at, _ in rows])
+        batch[f"{key}_ids"] = torch.tensor([t + [-100] * (w - len(t)) for _, t in rows])
     if "ref_chosen" in examples[0]:
         batch["ref_chosen"] = torch.tensor([e["ref_chosen"] for e in examples])
         batch["ref_rejected"] = torch.tensor([e["ref_rejected"] for e in examples])
     return batch
 
 
-def batch_logps(model, batch):
-    """Log-probs of a collated batch -> (chosen [B], rejected [B]).
+def token_logps(lm_head, hidden, labels):
+    """hidden [N, H], labels [N] -> log p(label) [N] in float32, through the LM head."""
+    logits = lm_head(hidden).float()  # [N, V]
+    return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
-    Vocabulary logits are computed only over each row's own response window: the final hidden
-    states [2B, T, H] are gathered at positions start-1 .. start+R-1 (R = longest response) and
-    only those [2B, R+1, H] go through the LM head. PrivacyLens prompts are most of each
-    sequence, so this skips almost all of the [2B, T, V] logits (and their gradient).
+
+def batch_logps(model, batch, chunk=1024):
+    """Summed log-probs of a collated batch's responses -> (chosen [B], rejected [B]).
+
+    The final hidden states [B, T, H] are gathered at the response positions only and go
+    through the LM head in chunks of `chunk` tokens, each recomputed in backward rather than
+    stored, so no [B, T, V] logits exist and [chunk, V] is the largest (SPEC.md 8: prompt and
+    padding carry no loss). Equals sequence_logps on each unpacked, unpadded sequence.
     """
-    labels = batch["labels"]
-    is_resp = labels != -100
-    start = is_resp.float().argmax(-1)  # [2B] first response token
-    width = int(is_resp.sum(-1).max()) + 1
-    pos = start[:, None] - 1 + torch.arange(width, device=labels.device)  # [2B, R+1]
-    inside = pos < labels.shape[1]
-    pos = pos.clamp(max=labels.shape[1] - 1)
-    out = model(input_ids=batch["input_ids"], output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [2B, T, H], after the final norm
-    window = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # [2B, R+1, H]
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                attention_mask=batch["attention_mask"], output_hidden_states=True, logits_to_keep=1)
+    hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
     lm_head = getattr(model, "module", model).get_output_embeddings()  # DeepSpeed/DDP wrap the model
-    logps = sequence_logps(lm_head(window), labels.gather(1, pos).masked_fill(~inside, -100))
-    half = logps.shape[0] // 2
-    return logps[:half], logps[half:]
+    sums = []
+    for key in ("chosen", "rejected"):
+        at, labels = batch[f"{key}_at"], batch[f"{key}_ids"]  # [B, R]
+        keep = labels != -100
+        rows = hidden.gather(1, at.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))[keep]  # [N, H]
+        logps = torch.cat([torch.utils.checkpoint.checkpoint(token_logps, lm_head, rows[i:i + chunk], labels[keep][i:i + chunk],
+                                                             use_reentrant=False) if torch.is_grad_enabled()
+                           else token_logps(lm_head, rows[i:i + chunk], labels[keep][i:i + chunk])
+                           for i in range(0, len(rows), chunk)])
+        sums.append(torch.zeros(len(at), device=logps.device).index_add(0, keep.nonzero()[:, 0], logps))
+    return sums[0], sums[1]
 
 
-def reference_logps(model, examples, batch_size, pad_id):
+def reference_logps(model, examples, batch_size, pad_id, state):
     """Adds ref_chosen / ref_rejected to every example, once, before training: no reference
-    model is held in memory while the policy is optimised."""
+    model is held in memory while the policy is optimised. Each process scores its share
+    (longest first), then all shares are gathered."""
+    from accelerate.utils import gather_object
     model.eval()
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["prompt"]))
-    for b in tqdm(range(0, len(order), batch_size), desc="reference log-probs", unit="batch"):
-        group = [examples[i] for i in order[b:b + batch_size]]
-        batch = {k: v.to(model.device) for k, v in collate_pairs(group, pad_id).items()}
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["prompt"]))[state.process_index::state.num_processes]
+    scores = []
+    for b in tqdm(range(0, len(order), batch_size), desc="reference log-probs", unit="batch", disable=not state.is_main_process):
+        idx = order[b:b + batch_size]
+        batch = {k: v.to(model.device) for k, v in collate_pairs([examples[i] for i in idx], pad_id).items()}
         with torch.inference_mode():
             chosen, rejected = batch_logps(model, batch)
-        for e, c, r in zip(group, chosen.tolist(), rejected.tolist()):
-            e["ref_chosen"], e["ref_rejected"] = c, r
+        scores += list(zip(idx, chosen.tolist(), rejected.tolist()))
+    for i, c, r in gather_object(scores) if state.num_processes > 1 else scores:
+        examples[i]["ref_chosen"], examples[i]["ref_rejected"] = c, r
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1348,9 +1374,14 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator):
+def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator, state_dir):
     """Tokenise, add reference log-probs (once), shuffle with the seed, hold out --eval-fraction.
-    -> (train examples, eval examples, stats)."""
+    -> (train examples, eval examples, stats). They are kept in <out>.state/reference.pt, so a
+    resumed run never recomputes them (a full pass over the data)."""
+    saved = os.path.join(state_dir, "reference.pt")
+    if os.path.exists(saved):
+        accelerator.print(f"reference log-probs and held-out split from {saved}")
+        return torch.load(saved)
     examples, truncated, skipped = tokenize_pairs(tok, pairs, cfg.max_length)
     accelerator.print(f"{len(examples)} pairs for role {role}; {truncated} cut in the prompt's middle, "
                       f"{skipped} skipped as too long for --max-length {cfg.max_length}")
@@ -1358,94 +1389,189 @@ def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator):
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     start = time.time()
     with accelerator.autocast():  # the same precision as the policy, so step 0 is exactly at log 2
-        reference_logps(model, examples, cfg.batch_size, tok.pad_token_id)
+        reference_logps(model, examples, cfg.batch_size, tok.pad_token_id, accelerator.state)
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
     stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped,
              "train/reference_seconds": round(time.time() - start, 1)}
-    return examples[n_eval:], examples[:n_eval], stats
+    data = (examples[n_eval:], examples[:n_eval], stats)
+    if accelerator.is_main_process:
+        torch.save(data, saved + ".tmp")
+        os.replace(saved + ".tmp", saved)
+    return data
 
 
-def dpo_train_loop(cfg, model, optimizer, scheduler, train_loader, eval_loader, total_steps, epochs, accelerator):
-    """Gradient accumulation through the Accelerator; one log row per optimizer step.
-    -> (history, optimizer steps, pairs seen, seconds)."""
-    history, window, step, seen, start = [], [], 0, 0, time.time()
-    bar = tqdm(total=total_steps, desc="DPO", unit="step", disable=not accelerator.is_main_process)
-    for epoch in range(epochs):
-        for batch in train_loader:
+def cosine_lr(step, steps, cfg):
+    """Learning rate of optimizer step `step` (0-based) of `steps`: linear warmup over
+    --warmup-ratio of them, then cosine decay to 0 (the released config: cosine, 10% warmup; the
+    formula of transformers' get_cosine_schedule_with_warmup). A pure function of the step, so a
+    resumed run needs no scheduler state: DeepSpeed's ZeRO optimizer comes back from a checkpoint
+    with new param groups that a torch scheduler no longer reaches."""
+    warmup = int(cfg.warmup_ratio * steps)
+    if step < warmup:
+        return cfg.lr * step / max(1, warmup)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+def epoch_loader(examples, epoch, cfg, collate, accelerator, skip=0):
+    """This process's micro-batches of one epoch, in an order drawn from (seed, epoch) alone, so
+    a resumed run sees the same batches; the first `skip` (already trained on) are left out."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+    loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(
+        [examples[i] for i in order], batch_size=cfg.batch_size, collate_fn=collate))
+    return accelerator.skip_first_batches(loader, skip) if skip else loader
+
+
+def dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader, plan, accelerator, state_dir, progress):
+    """Gradient accumulation through the Accelerator; one log row per optimizer step; every
+    --save-every steps a resumable state. `progress` (step, epoch, batches done in that epoch,
+    pairs seen, seconds, history) is where a killed run stopped, or the start; returned at the end."""
+    p, window, start = progress, [], time.time() - progress["seconds"]
+    bar = tqdm(total=plan["steps"], initial=p["step"], desc="DPO", unit="step", disable=not accelerator.is_main_process)
+    for epoch in range(p["epoch"], plan["epochs"]):
+        for batch in epoch_loader(train_ex, epoch, cfg, plan["collate"], accelerator, p["batches"]):
+            lr = cosine_lr(p["step"], plan["steps"], cfg)
             with accelerator.accumulate(model):
                 loss, m = dpo_step(model, batch, cfg.beta)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 optimizer.step()
-                scheduler.step()
                 optimizer.zero_grad()
             window.append(m)
-            seen += batch["ref_chosen"].shape[0] * accelerator.num_processes
+            p["batches"] += 1
+            p["seen"] += batch["ref_chosen"].shape[0] * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
-            step += 1
-            row = {"step": step, "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
-                   "train/lr": scheduler.get_last_lr()[0], "train/pairs_per_s": seen / (time.time() - start)}
+            p["step"], p["seconds"] = p["step"] + 1, time.time() - start
+            row = {"step": p["step"], "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
+                   "train/lr": lr, "train/pairs_per_s": p["seen"] / p["seconds"]}
             window = []
-            if eval_loader is not None and (step % cfg.eval_every == 0 or step == total_steps):
+            if eval_loader is not None and (p["step"] % cfg.eval_every == 0 or p["step"] == plan["steps"]):
                 row.update(evaluate_dpo(model, eval_loader, cfg.beta, accelerator))
-            history.append(row)
+            p["history"].append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}",
                             pairs_s=f"{row['train/pairs_per_s']:.2f}")
-            if step % cfg.log_every == 0:
+            if p["step"] % cfg.log_every == 0:
                 accelerator.print(json.dumps(row))
-            if step >= total_steps:
+            if p["step"] >= plan["steps"]:
                 bar.close()
-                return history, step, seen, time.time() - start
+                return p
+            if cfg.save_every and p["step"] % cfg.save_every == 0:
+                save_train_state(accelerator, state_dir, p)
+        p["epoch"], p["batches"] = epoch + 1, 0
     bar.close()
-    return history, step, seen, time.time() - start
+    return p
+
+
+RESUMABLE_FLAGS = ("save_every", "keep_state", "log_every")  # a resumed train may change these, no others
+
+
+def open_train_state(cfg, out, accelerator):
+    """<out>.state holds what a killed train resumes from: flags.json, reference.pt (see
+    prepare_dpo_data), step-<k>/ (accelerate's save_state: model, optimizer, RNG; the learning rate is a
+    function of the step, cosine_lr) and
+    progress.json (which step-<k>, epoch, batches done, pairs seen, history). -> (folder, progress
+    or None). A state made with other result-shaping flags or another process count is refused."""
+    state_dir = out + ".state"
+    flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_FLAGS}
+    flags.update(num_processes=accelerator.num_processes, deepspeed=accelerator.state.deepspeed_plugin is not None)
+    path = os.path.join(state_dir, "flags.json")
+    if os.path.exists(path):
+        old = read_json_file(path)
+        for key, value in flags.items():
+            if old.get(key) != value:
+                raise UsageError(f"{state_dir}: the killed run it holds had {key}={old.get(key)!r}, not {value!r}; "
+                                 f"rerun it unchanged to resume, or remove {state_dir} to start over")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process and not os.path.exists(path):
+        os.makedirs(state_dir, exist_ok=True)
+        write_json(path, flags)
+    accelerator.wait_for_everyone()
+    progress = os.path.join(state_dir, "progress.json")
+    return state_dir, read_json_file(progress) if os.path.exists(progress) else None
+
+
+def rebuild_cpu_adam_cache(optimizer):
+    """DeepSpeedCPUAdam caches beta^t and multiplies it by beta once per step; restarted, it
+    computes pow(beta, t) instead, a float rounding apart that Adam amplifies (2.8e-6 max weight
+    difference 20 steps on, on the test model). Replaying the steps at lr 0 on a one-element
+    dummy rebuilds the cache exactly as an uninterrupted run holds it."""
+    while not hasattr(optimizer, "ds_opt_adam") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer  # accelerate's wrapper -> ZeRO's -> DeepSpeedCPUAdam
+    if not hasattr(optimizer, "ds_opt_adam") or not optimizer.state:
+        return
+    group, dummy = optimizer.param_groups[0], [torch.zeros(1) for _ in range(4)]
+    for t in range(1, int(next(iter(optimizer.state.values()))["step"]) + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, 0.0, *group["betas"], group["eps"], 0.0,
+                                          group["bias_correction"], *dummy)
+
+
+def save_train_state(accelerator, state_dir, progress):
+    """accelerate's save_state into step-<k>, then progress.json points at it and older steps go:
+    a kill at any moment leaves one whole state behind."""
+    name = f"step-{progress['step']}"
+    accelerator.save_state(os.path.join(state_dir, name))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_json(os.path.join(state_dir, "progress.json"), {**progress, "dir": name})
+        for old in glob.glob(os.path.join(state_dir, "step-*")):
+            if os.path.basename(old) != name:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def setup_training(cfg, model, train_ex, eval_ex, tok, accelerator):
+    """Optimizer and eval loader, prepared by accelerate; the plan: optimizer steps in all,
+    epochs, collate function."""
+    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(cfg.role, 4)
+    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
+    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
+    batches = math.ceil(math.ceil(len(train_ex) / cfg.batch_size) / accelerator.num_processes)  # per process, per epoch
+    steps = min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf"))
+    model.train()
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    # DeepSpeed reads the micro-batch size from a loader prepared with the model: the eval one
+    model, optimizer, eval_loader = accelerator.prepare(model, make_optimizer(model, cfg, accelerator), eval_loader)
+    return model, optimizer, eval_loader, {"steps": steps, "epochs": epochs, "collate": collate}
 
 
 def cmd_train(cfg):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from transformers import get_cosine_schedule_with_warmup
     if not cfg.pairs:
-        raise UsageError("--pairs is required (a pairs_<role>.jsonl written by collect)")
-    role, pairs = load_pairs(cfg.pairs, cfg.role)
-    out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", role)
+        raise UsageError("--pairs is required (a pairs_<role>.jsonl written by collect, or a hub dataset id)")
+    cfg.role, pairs = load_pairs(cfg.pairs, cfg.role)
+    out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", cfg.role)
     if os.path.exists(os.path.join(out, "config.json")):
         raise UsageError(f"--out {out}: already holds a checkpoint; choose another folder")
-    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
                               mixed_precision=None if os.environ.get("ACCELERATE_MIXED_PRECISION") else cfg.mixed_precision)
     set_seed(cfg.seed)
+    state_dir, progress = open_train_state(cfg, out, accelerator)
     model, tok = load_model(cfg.model, dtype=torch.float32, device=accelerator.device)  # fp32 master weights
-    train_ex, eval_ex, stats = prepare_dpo_data(cfg, role, pairs, model, tok, accelerator)
-
-    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
-    train_loader = torch.utils.data.DataLoader(train_ex, batch_size=cfg.batch_size, shuffle=True, collate_fn=collate,
-                                               generator=torch.Generator().manual_seed(cfg.seed))
-    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
-    steps_per_epoch = math.ceil(math.ceil(len(train_loader) / accelerator.num_processes) / cfg.grad_accum)
-    total_steps = min(epochs * steps_per_epoch, cfg.max_steps or float("inf"))
-    model.train()
-    if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    optimizer = make_optimizer(model, cfg, accelerator)
-    # The prepared scheduler steps once per process at each optimizer step, hence the factor.
-    scheduler = get_cosine_schedule_with_warmup(optimizer, int(cfg.warmup_ratio * total_steps) * accelerator.num_processes,
-                                                total_steps * accelerator.num_processes)
-    model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, eval_loader, scheduler)
-
-    history, step, seen, seconds = dpo_train_loop(cfg, model, optimizer, scheduler, train_loader,
-                                                  eval_loader if eval_ex else None, total_steps, epochs, accelerator)
-    metrics = {"role": role, "train/steps": step, "train/pairs": len(train_ex), "eval/pairs": len(eval_ex), **stats,
-               "train/seconds": round(seconds, 1), "train/pairs_per_s": seen / seconds,
-               "train/peak_rss_mb": round(peak_rss_mb(), 1), "final": history[-1] if history else {},
-               "history": history, "flags": dataclasses.asdict(cfg),
-               "deepspeed": accelerator.state.deepspeed_plugin is not None, "num_processes": accelerator.num_processes}
+    train_ex, eval_ex, stats = prepare_dpo_data(cfg, cfg.role, pairs, model, tok, accelerator, state_dir)
+    model, optimizer, eval_loader, plan = setup_training(cfg, model, train_ex, eval_ex, tok, accelerator)
+    if progress:
+        accelerator.load_state(os.path.join(state_dir, progress["dir"]))
+        rebuild_cpu_adam_cache(optimizer)
+        accelerator.print(f"resuming from step {progress['step']} of {plan['steps']} ({state_dir})")
+    p = dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader if eval_ex else None, plan, accelerator,
+                       state_dir, progress or {"step": 0, "epoch": 0, "batches": 0, "seen": 0, "seconds": 0.0, "history": []})
+    metrics = {"role": cfg.role, "train/steps": p["step"], "train/pairs": len(train_ex), "eval/pairs": len(eval_ex), **stats,
+               "train/seconds": round(p["seconds"], 1), "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9),
+               "train/peak_rss_mb": round(peak_rss_mb(), 1), "final": p["history"][-1] if p["history"] else {},
+               "history": p["history"], "resumed_from_step": progress["step"] if progress else 0,
+               "flags": dataclasses.asdict(cfg), "deepspeed": accelerator.state.deepspeed_plugin is not None,
+               "num_processes": accelerator.num_processes}
     save_checkpoint(accelerator, model, tok, out, metrics)
-    accelerator.print(f"saved {out} ({step} steps, {metrics['train/pairs_per_s']:.2f} pairs/s, "
+    if accelerator.is_main_process and not cfg.keep_state:
+        shutil.rmtree(state_dir, ignore_errors=True)
+    accelerator.print(f"saved {out} ({p['step']} steps, {metrics['train/pairs_per_s']:.2f} pairs/s, "
                       f"peak RSS {metrics['train/peak_rss_mb']:.0f} MB)")
 
 

