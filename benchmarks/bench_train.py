@@ -2,7 +2,7 @@
 
 Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
 (real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
-accumulation, steps, beta and learning rate, in float32 on the CPU. Printed: wall time of the
+accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast, --mixed-precision bf16). Printed: wall time of the
 whole training command (model load, reference log-probs, optimisation), pairs/s over that wall
 time, and peak RSS, plus the ratios.
 
@@ -46,6 +46,7 @@ def run_privact(args, pairs, out):
     privact.main(["train", "--pairs", pairs, "--model", args.model, "--out", out, "--batch-size", str(args.batch_size),
                   "--grad-accum", str(args.grad_accum), "--max-steps", str(args.steps), "--epochs", "1000",
                   "--eval-fraction", "0", "--beta", "0.4", "--lr", str(args.lr), "--seed", "0", "--log-every", "1000",
+                  "--mixed-precision", args.mixed_precision,
                   "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"])
     return json.load(open(os.path.join(out, "train_metrics.json")))["train/steps"]
 
@@ -56,12 +57,13 @@ def run_trl(args, pairs, out):
     from trl import DPOConfig, DPOTrainer
     model, tok = privact.load_model(args.model, dtype=torch.float32)
     privact.strip_gguf_config(model)
+    model.set_attn_implementation("sdpa")  # stock transformers, not privact's CPU attention
     rows = [json.loads(line) for line in open(pairs)]
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                       "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
     cfg = DPOConfig(output_dir=out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
                     max_steps=args.steps, learning_rate=args.lr, beta=0.4, max_length=4096, lr_scheduler_type="cosine",
-                    report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, bf16=False,
+                    report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, bf16=args.mixed_precision == "bf16",
                     seed=0, dataloader_num_workers=0, precompute_ref_log_probs=args.trl_precompute)
     trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.train()
@@ -92,6 +94,8 @@ def main():
     ap.add_argument("--gradient-checkpointing", default=True, action=argparse.BooleanOptionalAction,
                     help="privact's --gradient-checkpointing (its default: on); TRL runs with its default (off)")
     ap.add_argument("--trl-precompute", action="store_true", help="TRL precomputes reference log-probs (no ref model held)")
+    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
+                    help="no: float32 on both sides; bf16: autocast on both (privact --mixed-precision bf16, TRL bf16=True)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
