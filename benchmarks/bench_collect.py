@@ -6,8 +6,8 @@ Both collect the same cases in one process with the same models, seed, dtype and
             level's prompts across the chunk in batched, shared-prefix generate calls, then all
             judge prompts batched the same way.
 - HF loop:  what one writes first. One model.generate(num_return_sequences=B) per tree node and
-            one model.generate per judge prompt (plus the same 4-token answer-slot retry when a
-            verdict has no "Answer:"). It replays privact's tree: each node's children are
+            one model.generate per judge prompt (plus a second call of 4 tokens after an appended
+            "\nAnswer:" when a verdict has none). It replays privact's tree: each node's children are
             sampled from the very prompt privact's children saw, and it judges the same leaves,
             so both sides process the same prompts and only the calling pattern differs.
 

@@ -4,7 +4,7 @@ Both paths sample the same generator prompts (real PrivacyLens cases, B samples 
 same seed, dtype and max_new_tokens) on the same model in one process, and print generated
 tokens per second and their ratio.
 
-    python benchmarks/bench_rollout.py --data ../shared/data/privacylens/main_data.json
+    python benchmarks/bench_rollout.py
 
 - batched:    privact.generate_batched: all prompts in length-sorted, left-padded batches of
               --batch-size sequences, each prompt prefilled once and its KV cache shared by its

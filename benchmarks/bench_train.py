@@ -6,7 +6,7 @@ accumulation, steps, beta and learning rate, in float32 on the CPU (or both unde
 whole training command (model load, reference log-probs, optimisation), pairs/s over that wall
 time, and peak RSS, plus the ratios.
 
-    python benchmarks/bench_train.py --data ../shared/data/privacylens/main_data.json
+    python benchmarks/bench_train.py
 
 TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it
 only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
