@@ -1126,7 +1126,7 @@ def test_bench_gpu_tiny_mode(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["collect_tokens_per_case"]["generated_tokens"] == 84 * 4  # 4 + 16 + 64 outputs of 4 tokens
+    assert 0 < result["collect_tokens_per_case"]["generated_tokens"] <= 84 * 4  # 4 + 16 + 64 outputs of <= 4 tokens
     assert result["collect_tokens_per_case"]["judge_tokens"] > 0  # every leaf was judged
     assert result["eval_seconds_per_case"] > 0 and result["dpo_pairs_per_s"] > 0 and result["dpo_peak_memory_gib"] > 0
     assert set(result["hours"]) == {"collect_394_cases", "eval_99_cases_per_configuration",
