@@ -49,7 +49,7 @@ TRAIN_CASES, TEST_CASES, EPOCHS = 394, 99, {"verifier": 12, "refiner": 4}
 
 def random_model(shape, tok, dtype, device):
     """A randomly initialised causal LM of `shape` (a config dict) that reads the tokenizer's ids
-    (modulo its vocabulary) and writes only ids the tokenizer has."""
+    (modulo its vocabulary) and gives logits over exactly the tokenizer's ids."""
     from transformers import AutoConfig, AutoModelForCausalLM
     shape = dict(shape)
     config = AutoConfig.for_model(shape.pop("model_type"), **shape, bos_token_id=tok.bos_token_id,
@@ -59,6 +59,9 @@ def random_model(shape, tok, dtype, device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     vocab = config.vocab_size
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: (args[0] % vocab,))
+    if vocab < len(tok):  # logits for every id the tokenizer has (the judge's verdict words), the extra ones -inf
+        model.get_output_embeddings().register_forward_hook(
+            lambda _, args, out: torch.nn.functional.pad(out, (0, len(tok) - vocab), value=float("-inf")))
     if vocab > len(tok):
         model.get_output_embeddings().register_forward_hook(lambda _, args, out: out.index_fill(-1, unknown, float("-inf")))
         unknown = torch.arange(len(tok), vocab, device=device)
