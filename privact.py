@@ -100,6 +100,8 @@ class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
+    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases cases at a time, until every trained role has this "
+                            "many pairs (0 = off; for small models whose pairs are few)")
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)")
     b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)")
     alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)")
@@ -487,9 +489,10 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     `num_return` samples per prompt (SPEC.md section 5), prompts that share a prefix side by side
     and prefilled from one copy of it (prefix_groups, prefill_shared). Sampling when num_return
     > 1 (or `sample`), greedy otherwise (sampling_config). Each completion starts with `prefix`
-    (one string, or one per chat), which the model continues. `stats`, a dict, gets prompt_tokens_prefilled and prompt_tokens_plain (what
-    generate(num_return_sequences) would prefill) added. `answer_slot`: per chat, the verdict
-    words of a judge prompt, for greedy judge decoding that ends with a verdict line (open_answer_slot).
+    (one string, or one per chat), which the model continues. `stats`, a dict, gets
+    prompt_tokens_prefilled and prompt_tokens_plain (what generate(num_return_sequences) would
+    prefill) added. `answer_slot`: per chat, the verdict words of a judge prompt, for greedy
+    judge decoding that ends with a verdict line (open_answer_slot).
     """
     prefixes = prefix if isinstance(prefix, list) else [prefix] * len(chats)
     texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) + pre
@@ -1134,22 +1137,32 @@ def no_pairs_reasons(summary, taus):
 
 
 def cmd_collect(cfg):
+    from accelerate.utils import broadcast_object_list
     start = time.time()
     check_common_flags(cfg)
     roles = parse_topology(cfg.topology)
     branching, taus = parse_branching(cfg.branching, roles), parse_taus(cfg.tau, roles)
     reward_kw = {"b1": cfg.b1, "b2": cfg.b2, "alpha": cfg.alpha, "beta": cfg.beta}
-    cases = {c["name"]: c for c in load_cases(cfg.data, cfg.split, cfg.num_cases)}
+    split = {c["name"]: c for c in load_cases(cfg.data, cfg.split)}
     paths = {**{r: cfg.model for r in roles}, "judge": cfg.judge_model or cfg.model}
     variants = {r: cfg.prompt for r in roles}
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants,
                              models={"policy": cfg.model, "judge": paths["judge"]},
                              judge_max_new_tokens=cfg.judge_max_new_tokens)
-    work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
+    work = lambda models, names: rollout_chunk([split[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
+    n = min(cfg.num_cases or len(split), len(split))
+    while True:  # one pass, or more while --min-pairs asks for more cases (the extra ones are the split's next)
+        cases = list(split)[:n]
+        records = run_stage(cfg.out, cases, flags, paths, cfg.dtype, work, cfg)
+        short = records is not None and [r for r, p in pairs_from_records([records[c] for c in cases], taus, reward_kw)[0].items()
+                                         if len(p) < cfg.min_pairs]
+        if not broadcast_object_list([bool(short) and n < len(split)])[0]:
+            break
+        n = min(n + cfg.chunk_cases, len(split))
+        print(f"collect: fewer than --min-pairs {cfg.min_pairs} pairs for {', '.join(short)}; going on to {n} cases", file=sys.stderr)
     if records is None:  # not the main process: it is done once its shard is written
         return
-    records = [records[n] for n in cases]
+    records = [records[c] for c in cases]
     pairs, stats = pairs_from_records(records, taus, reward_kw)
     for role, rows in pairs.items():
         write_atomic(os.path.join(cfg.out, f"pairs_{role}.jsonl"), jsonl(rows))

@@ -457,6 +457,24 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
         assert all(set(p) >= {"case", "role", "prompt", "chosen", "rejected"} and p["role"] == role for p in got)
 
 
+def test_collect_min_pairs_goes_on_until_each_role_has_them(tmp_path, data_file, tiny_model, monkeypatch, capsys):
+    real = privact.pairs_from_records
+
+    def one_pair_per_case_after_the_first(records, taus, kw):
+        return {role: [{"case": r["case"]} for r in records[1:]] for role in taus}, real(records, taus, kw)[1]
+    monkeypatch.setattr(privact, "pairs_from_records", one_pair_per_case_after_the_first)
+    train = [c["name"] for c in privact.load_cases(str(data_file), "train")]
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--chunk-cases", "1", "--min-pairs", "2")) == 0
+    assert [r["case"] for r in read_jsonl(run / "rollouts.jsonl")] == train[:3]  # 2 pairs per role need 3 cases
+    err = capsys.readouterr().err
+    assert "going on to 2 cases" in err and "going on to 3 cases" in err and "going on to 4" not in err
+    assert json.loads((run / "summary.json").read_text())["collect/pairs_verifier"] == 2
+    # asking for more than the split can give stops at its end
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--chunk-cases", "1", "--min-pairs", "99")) == 0
+    assert [r["case"] for r in read_jsonl(run / "rollouts.jsonl")] == train
+
+
 def test_collect_refuses_changed_generation_flags(tmp_path, data_file, tiny_model, capsys):
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, str(tmp_path / "no_model"), "--num-cases", "1")) == 2

@@ -64,8 +64,8 @@ def main():
         shutil.copy(os.path.join(HERE, name), SNAPSHOT)
     shutil.copytree(os.path.join(HERE, "data"), os.path.join(SNAPSHOT, "data"))
     print(f"{'seed':>4} {'dtype':>9} {'verifier pairs':>15} {'refiner pairs':>14}  exit codes        minutes", flush=True)
-    for dtype in args.dtypes.split(","):
-        for seed in map(int, args.seeds.split(",")):
+    for seed in map(int, args.seeds.split(",")):
+        for dtype in args.dtypes.split(","):
             pairs, codes, minutes = run_once(block, seed, dtype, args.keep)
             print(f"{seed:>4} {dtype:>9} {pairs.get('verifier', 0):>15} {pairs.get('refiner', 0):>14}  "
                   f"{','.join(map(str, codes)):<16} {minutes:6.1f}", flush=True)
