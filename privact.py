@@ -1131,7 +1131,7 @@ def no_pairs_reasons(summary, taus):
             f"warning: no {role} pairs. Of {summary['collect/leaves']} leaves, {summary['collect/invalid_leaves']} "
             f"are invalid actions (reward b2) and {summary['collect/unparsed_leaves']} have an unparsed verdict (left "
             f"out); {one_sided} of {groups} {role} sibling groups with two or more scored members have all values on one "
-            f"side of tau {tau}. More pairs: --num-cases (more cases), --branching (wider at the {role} level), "
+            f"side of tau {tau}. More pairs: --num-cases or --min-pairs (more cases), --branching (wider at the {role} level), "
             f"--tau {role}=... (between the values seen), --temperature (lower: more valid actions).")
     return lines
 

@@ -457,6 +457,22 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
         assert all(set(p) >= {"case", "role", "prompt", "chosen", "rejected"} and p["role"] == role for p in got)
 
 
+def test_no_pairs_diagnosis_counts_groups_and_names_flags():
+    def node(role, value, kids=()):
+        return Node(role, [], role, list(kids), value)
+    # verifiers 0.6 / 0.2 straddle tau 0.5; refiner groups [0.3, 0.3] (one-sided) and [-1, 1] (straddle)
+    root = node("input", None, [node("verifier", 0.6, [node("refiner", 0.3), node("refiner", 0.3)]),
+                                node("verifier", 0.2, [node("refiner", -1.0), node("refiner", 1.0)])])
+    assert privact.sibling_groups(root, "verifier", 0.5) == (1, 0)
+    assert privact.sibling_groups(root, "refiner", 0.5) == (2, 1)
+    summary = {"collect/pairs_verifier": 0, "collect/pairs_refiner": 3, "collect/leaves": 16, "collect/invalid_leaves": 12,
+               "collect/unparsed_leaves": 1, "collect/verifier_sibling_groups": 4, "collect/verifier_one_sided_groups": 4}
+    line, = privact.no_pairs_reasons(summary, {"verifier": 0.5, "refiner": 0.5})
+    for part in ("no verifier pairs", "Of 16 leaves, 12 are invalid", "1 have an unparsed verdict",
+                 "4 of 4 verifier sibling groups", "--min-pairs", "--branching", "--tau verifier=", "--temperature"):
+        assert part in line
+
+
 def test_collect_min_pairs_goes_on_until_each_role_has_them(tmp_path, data_file, tiny_model, monkeypatch, capsys):
     real = privact.pairs_from_records
 
