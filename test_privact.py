@@ -676,11 +676,15 @@ def plain_generate(model, tok, seqs, gen, num_return=1):
     return out[:, width:]
 
 
-def test_shared_prefix_generation_equals_plain_generate(tiny_model):
-    """Each group's prefix prefilled once, its KV copied to the members and their samples: the
-    tokens of a plain generate, with groups of shared and unshared prefixes of different lengths."""
+def test_shared_prefix_generation_equals_plain_generate(tiny_model, monkeypatch):
+    """Each group's prefix prefilled once, its KV copied to the members and their samples, and
+    read once per decoding step by each group (cascade): the tokens of a plain generate, with
+    groups of shared and unshared prefixes of different lengths."""
     from transformers import GenerationConfig
     model, tok = privact.load_model(tiny_model)
+    groups_read = []
+    cascade = privact.cascade
+    monkeypatch.setattr(privact, "cascade", lambda query, *a: groups_read.append(len(query)) or cascade(query, *a))
     base = list(range(20, 60))
     seqs = [base + [5, 9, 11] * 4 + [5], base + [7] * 11, base[:30] + [8, 30, 31, 32, 33],  # share 30 tokens
             [12, 13, 14, 15], [12, 13, 14, 15, 16, 17],  # share 4, but each keeps its last token: 3
@@ -691,6 +695,7 @@ def test_shared_prefix_generation_equals_plain_generate(tiny_model):
         out, width, prefilled = privact.generate_shared_prefix(model, seqs, [0, 0, 0, 1, 1, 2], tok.pad_token_id, gen, 3)
     assert width == 30 + 23 and out.shape == (18, width + 9)  # longest prefix + longest rest (53 - 30)
     assert torch.equal(out[:, width:], plain_generate(model, tok, seqs, gen, 3))
+    assert groups_read[:3] == [9, 6, 3]  # rows per group at the first step: 3 x 3, 2 x 3, 1 x 3 samples
     # prefixes 30 + 3 + 8, the rests minus their last token (23-1) + (21-1) + (5-1) + 0 + 2 + 0, and
     # every sample's last prompt token: 6 prompts x 3 samples
     assert prefilled == 41 + 48 + 18
@@ -736,6 +741,27 @@ def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
         ids = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
         assert text == tok.decode(plain_generate(model, tok, [ids], gen)[0], skip_special_tokens=True).strip()
     assert stats["prompt_tokens_prefilled"] < stats["prompt_tokens_plain"] / 2  # each case's context once per batch
+
+
+def test_draw_tokens_inverse_cdf_by_hand(monkeypatch):
+    """p = [0.1, 0, 0.6, 0.3]: cdf [0.1, 0.1, 0.7, 1.0]; a row's token is the first whose cdf
+    exceeds its uniform, so the zero-probability token is never drawn, even at u = 0.1."""
+    scores = torch.tensor([0.1, 0.0, 0.6, 0.3]).log().repeat(5, 1)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.tensor([[0.05], [0.1], [0.69], [0.71], [0.999]]))
+    out = privact.draw_tokens(1.0)(None, scores.clone())
+    assert out.argmax(-1).tolist() == [0, 2, 2, 3, 3]
+    assert torch.isinf(out).sum(-1).tolist() == [3] * 5  # one finite score per row, for greedy decoding
+
+
+def test_draw_tokens_samples_the_temperature_distribution():
+    """20,000 draws of p = [0.1, 0, 0.6, 0.3]: frequencies within 0.015 of p at T = 1 and of
+    p^2 / sum(p^2) = [0.0217, 0, 0.7826, 0.1957] at T = 0.5 (logits / 0.5 squares p)."""
+    torch.manual_seed(0)
+    scores = torch.tensor([0.1, 0.0, 0.6, 0.3]).log().repeat(20000, 1)
+    for temperature, expected in ((1.0, [0.1, 0.0, 0.6, 0.3]), (0.5, [0.01 / 0.46, 0.0, 0.36 / 0.46, 0.09 / 0.46])):
+        drawn = privact.draw_tokens(temperature)(None, scores.clone()).argmax(-1)
+        freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
+        assert freq[1] == 0 and torch.allclose(freq, torch.tensor(expected), atol=0.015), (temperature, freq)
 
 
 def test_sampling_is_deterministic_under_a_seed(tiny_model):
