@@ -5,6 +5,7 @@ SmolLM2 model (part of the default run).
     pytest -q test_privact.py                       # everything
     pytest -q test_privact.py -k "not embedded"     # skip the SmolLM2 run
 """
+import contextlib
 import json
 import math
 import os
@@ -701,6 +702,25 @@ def test_shared_prefix_generation_equals_plain_generate(tiny_model, monkeypatch)
     assert prefilled == 41 + 48 + 18
 
 
+def test_packed_linears_match_plain_linear(tiny_model):
+    """bfloat16 linears that multiply by their weight packed once (oneDNN's layout) give the very
+    logits and greedy tokens of the plain model, prefill and decoding shapes alike, and the
+    model is plain again after the block."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels: packed_linears leaves the model alone")
+    model, tok = privact.load_model(tiny_model, dtype=torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids = torch.randint(3, 200, (3, 37), generator=torch.Generator().manual_seed(0))
+    chats = [[{"role": "user", "content": text}] for text in ("Write it.", "Write it again, now.", "x" * 50)]
+    runs = []
+    for packed in (False, True):
+        with torch.inference_mode(), privact.packed_linears(model) if packed else contextlib.nullcontext():
+            assert all(("forward" in m.__dict__) == packed for m in linears)
+            runs.append((model(ids).logits, privact.generate_batched(model, tok, chats, 1, 12, batch_size=4)[0]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert not any("forward" in m.__dict__ for m in linears)
+
+
 def test_generate_batched_with_a_sliding_window_model(tiny_model):
     """A sliding-window model (Mistral layout, window 16 < the prompts) gets the tokens of a plain
     generate too: its prompts are not grouped (the window counts cache slots), every cache layer
@@ -1238,3 +1258,16 @@ def test_readme_quick_start_runs_verbatim(tmp_path):
     ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     assert model.generate(ids, max_new_tokens=2, do_sample=False).shape[1] == ids.shape[1] + 2
+
+
+def test_bench_collect_runs_both_sides(tiny_model):
+    """benchmarks/bench_collect.py on the tiny model: both sides run each of their repeats over
+    the same trees and the last line holds the speedup and the prefill counts."""
+    proc = subprocess.run([sys.executable, str(HERE / "benchmarks" / "bench_collect.py"), "--model", tiny_model,
+                           "--num-cases", "1", "--branching", "1,2,1", "--max-new-tokens", "4",
+                           "--judge-max-new-tokens", "4", "--repeats", "2"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["privact_runs"]) == len(result["hf_loop_runs"]) == 2 and result["leaves"] == 2
+    assert result["speedup"] == pytest.approx(min(result["hf_loop_runs"]) / min(result["privact_runs"]), rel=0.02)
+    assert 0 < result["prompt_tokens_prefilled"] <= result["prompt_tokens_plain"]

@@ -63,8 +63,9 @@ def main():
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         if name == "batched":
-            _, n = privact.generate_batched(model, tok, chats, args.samples, args.max_new_tokens, args.batch_size,
-                                            "batched", args.temperature, privact.P.ACTION_PREFIX)
+            with privact.packed_linears(model):  # as collect and eval run (run_stage)
+                _, n = privact.generate_batched(model, tok, chats, args.samples, args.max_new_tokens, args.batch_size,
+                                                "batched", args.temperature, privact.P.ACTION_PREFIX)
         else:
             n = per_prompt(model, tok, chats, args.samples, args.max_new_tokens, args.temperature)
         seconds = time.perf_counter() - start
