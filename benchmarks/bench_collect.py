@@ -63,14 +63,14 @@ def hf_loop(records, cases, roles, branching, model, tok, args):
                     hf_generate(model, tok, chat, 1, 4, 1.0, text + "\nAnswer:")
 
 
-def timed(run, args):
+def timed(run, args, n_cases):
     """Seconds per case of each of --repeats runs (each from the same seed), and the last result."""
     seconds = []
     for _ in range(args.repeats):
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         result = run()
-        seconds.append((time.perf_counter() - start) / args.num_cases)
+        seconds.append((time.perf_counter() - start) / n_cases)
     return seconds, result
 
 
@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0, help="sampling seed, the same for both sides")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
 
     roles = privact.parse_topology("generator,verifier,refiner")
     branching = privact.parse_branching(args.branching, roles)
@@ -101,10 +103,10 @@ def main():
     def privact_side():
         with privact.packed_linears(model):  # as collect runs (run_stage); packing is timed too
             return privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
-    ours, records = timed(privact_side, args)
+    ours, records = timed(privact_side, args, len(cases))
     print(f" privact: {min(ours):.1f} s per case", flush=True)
     model.set_attn_implementation("sdpa")  # stock transformers; privact's CPU decode attention is one of its speed-ups
-    theirs, _ = timed(lambda: hf_loop(records, cases, roles, branching, model, tok, args), args)
+    theirs, _ = timed(lambda: hf_loop(records, cases, roles, branching, model, tok, args), args, len(cases))
     print(f" HF loop: {min(theirs):.1f} s per case", flush=True)
     leaves = [leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))]
     total = lambda k: round(sum(r[k] for r in records))  # noqa: E731
