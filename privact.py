@@ -328,7 +328,7 @@ def cpu_attention(module, query, key, value, attention_mask, scaling=None, **kwa
     - One new token per sequence (decoding): two matmuls over the key/value heads. torch's SDPA
       kernel for a single bf16 query ran 13x slower without AMX (15 ms vs 1.1 ms per layer for
       16 sequences x 1.8k keys; 2.5x in float32). Rows that share a prefilled prefix (the key
-      tensor's `shared_prefix`, set by mark_shared_prefix) read it once (cascade), and only the
+      tensor's `shared_prefix`, set by mark_cache) read it once (cascade), and only the
       filled cache slots are read.
     - Several tokens under a mask (prefill of padded prompts): SDPA reads the key/value heads
       directly (enable_gqa) instead of transformers copying them H/Hkv times; same numbers.
@@ -342,7 +342,7 @@ def cpu_attention(module, query, key, value, attention_mask, scaling=None, **kwa
         return out.transpose(1, 2), None
     grouped = query.view(b, key.shape[1], h // key.shape[1], d)  # a key/value head's queries side by side
     scale = scaling or d ** -0.5
-    wp, spans = getattr(key, "shared_prefix", (0, []))  # set by mark_shared_prefix, as is `filled`
+    wp, spans = getattr(key, "shared_prefix", (0, []))  # set by mark_cache, as is `filled`
     n = int(getattr(key, "filled", key.shape[2]))
     key, value = key[:, :, :n], value[:, :, :n]
     scores = (key[:, :, wp:] @ grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, Hkv, H/Hkv, n - wp]
@@ -491,13 +491,13 @@ def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, proce
                 full.view(n, num_return, *full.shape[1:])[:, :, :, :width - 1] = part[:, None, :, :width - 1]
             static.cumulative_length.fill_(width - 1)
         del prefill
-    mark_shared_prefix(model, cache, wp, [(a * num_return, b * num_return, p) for a, b, p in spans])
+    mark_cache(model, cache, wp, [(a * num_return, b * num_return, p) for a, b, p in spans])
     out = model.generate(input_ids=ids.repeat_interleave(num_return, 0), attention_mask=mask.repeat_interleave(num_return, 0),
                          cache=cache, generation_config=gen, logits_processor=list(processors))
     return out, width, n_prefilled + n * num_return
 
 
-def mark_shared_prefix(model, cache, wp, spans):
+def mark_cache(model, cache, wp, spans):
     """Tell cpu_attention, on a CPU, how many cache slots are filled (`filled`: it reads only those,
     not the empty ones left for the tokens still to come) and which rows share a prefilled prefix
     (spans: [(first row, end row, prefix length)], the prefix at positions wp - length .. wp - 1),

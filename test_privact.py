@@ -679,13 +679,13 @@ def plain_generate(model, tok, seqs, gen, num_return=1):
 
 def test_shared_prefix_generation_equals_plain_generate(tiny_model, monkeypatch):
     """Each group's prefix prefilled once, its KV copied to the members and their samples, and
-    read once per decoding step by each group (cascade): the tokens of a plain generate, with
-    groups of shared and unshared prefixes of different lengths."""
+    read once per decoding step by each group (cascade) up to the last filled cache slot: the
+    tokens of a plain generate, with groups of shared and unshared prefixes of different lengths."""
     from transformers import GenerationConfig
     model, tok = privact.load_model(tiny_model)
     groups_read = []
     cascade = privact.cascade
-    monkeypatch.setattr(privact, "cascade", lambda query, *a: groups_read.append(len(query)) or cascade(query, *a))
+    monkeypatch.setattr(privact, "cascade", lambda query, *a: groups_read.append((len(query), a[3].shape[2])) or cascade(query, *a))
     base = list(range(20, 60))
     seqs = [base + [5, 9, 11] * 4 + [5], base + [7] * 11, base[:30] + [8, 30, 31, 32, 33],  # share 30 tokens
             [12, 13, 14, 15], [12, 13, 14, 15, 16, 17],  # share 4, but each keeps its last token: 3
@@ -696,7 +696,10 @@ def test_shared_prefix_generation_equals_plain_generate(tiny_model, monkeypatch)
         out, width, prefilled = privact.generate_shared_prefix(model, seqs, [0, 0, 0, 1, 1, 2], tok.pad_token_id, gen, 3)
     assert width == 30 + 23 and out.shape == (18, width + 9)  # longest prefix + longest rest (53 - 30)
     assert torch.equal(out[:, width:], plain_generate(model, tok, seqs, gen, 3))
-    assert groups_read[:3] == [9, 6, 3]  # rows per group at the first step: 3 x 3, 2 x 3, 1 x 3 samples
+    assert [rows for rows, _ in groups_read[:3]] == [9, 6, 3]  # rows per group at the first step: 3 x 3, 2 x 3, 1 x 3 samples
+    # each step reads only the filled cache slots after the prefix: the 23 prompt positions, then
+    # one more per new token (8 steps after the first), never the empty slots reserved for the rest
+    assert sorted({rest for _, rest in groups_read}) == list(range(23, 23 + 9))
     # prefixes 30 + 3 + 8, the rests minus their last token (23-1) + (21-1) + (5-1) + 0 + 2 + 0, and
     # every sample's last prompt token: 6 prompts x 3 samples
     assert prefilled == 41 + 48 + 18
