@@ -6,8 +6,8 @@ Both collect the same cases in one process with the same models, seed, dtype and
             level's prompts across the chunk in batched, shared-prefix generate calls, then all
             judge prompts batched the same way.
 - HF loop:  what one writes first. One model.generate(num_return_sequences=B) per tree node and
-            one model.generate per judge prompt (plus a second call of 4 tokens after an appended
-            "\nAnswer:" when a verdict has none). It replays privact's tree: each node's children are
+            one model.generate per judge prompt (strict protocol: plus a second call of 4 tokens after
+            an appended "\nAnswer:" when a verdict has none; privacylens: stopping at "\n\n---"). It replays privact's tree: each node's children are
             sampled from the very prompt privact's children saw, and it judges the same leaves,
             so both sides process the same prompts and only the calling pattern differs.
 
@@ -31,16 +31,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import privact  # noqa: E402
 
 
-def hf_generate(model, tok, chat, num_return, max_new_tokens, temperature, prefix=""):
+def hf_generate(model, tok, chat, num_return, max_new_tokens, temperature, prefix="", stop=None):
     from transformers import GenerationConfig
     sample = num_return > 1
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, num_return_sequences=num_return,
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, num_return_sequences=num_return, stop_strings=stop,
                            pad_token_id=tok.pad_token_id, eos_token_id=privact.stop_token_ids(model, tok),
                            **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}))
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefix
     ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=tok)
     return [prefix + t for t in tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)]
 
 
@@ -53,13 +53,11 @@ def hf_loop(records, cases, roles, branching, model, tok, args):
                 prefix = privact.P.ACTION_PREFIX if role in privact.DRAFT_ROLES else ""
                 hf_generate(model, tok, node.children[0].prompt, width, args.max_new_tokens, args.temperature, prefix)
             frontier = [c for node in frontier for c in node.children]
-        for leaf in frontier:
-            action = leaf.judgment["action"]
-            if not leaf.judgment["valid"]:
-                continue
-            for chat in privact.judge_prompts_for(case, privact.format_action(action["tool"], action["input"])):
-                text = hf_generate(model, tok, chat, 1, args.judge_max_new_tokens, 1.0)[0]
-                if "answer:" not in text.lower():
+        strict = args.judge_protocol == "strict"
+        for leaf, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
+            for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), args.judge_protocol):
+                text = hf_generate(model, tok, chat, 1, args.judge_max_new_tokens, 1.0, stop=None if strict else "\n\n---")[0]
+                if strict and "answer:" not in text.lower():
                     hf_generate(model, tok, chat, 1, 4, 1.0, text + "\nAnswer:")
 
 
@@ -82,6 +80,7 @@ def main():
     ap.add_argument("--branching", default="2,2,2", help="samples per node at each level")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="agent output budget, both sides")
     ap.add_argument("--judge-max-new-tokens", type=int, default=64, help="judge output budget, both sides")
+    ap.add_argument("--judge-protocol", default="privacylens", help="privacylens (collect's default) or strict")
     ap.add_argument("--batch-size", type=int, default=16, help="privact's sequences per generate call")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (privact's default) or float32")
@@ -97,7 +96,7 @@ def main():
     model, tok = privact.load_model(args.model, dtype=getattr(torch, args.dtype))
     models = {**{r: (model, tok) for r in roles}, "judge": (model, tok)}
     cfg = argparse.Namespace(max_new_tokens=args.max_new_tokens, judge_max_new_tokens=args.judge_max_new_tokens,
-                             batch_size=args.batch_size, temperature=args.temperature)
+                             batch_size=args.batch_size, temperature=args.temperature, judge_protocol=args.judge_protocol)
     hf_generate(model, tok, privact.build_chat("generator", cases[0], []), 1, 4, 1.0)  # untimed warm-up
 
     def privact_side():

@@ -4,9 +4,9 @@ shapes (nothing comes from the hub; the tokenizer is the embedded SmolLM2 one).
 - policy: Llama-3.2-1B-Instruct's exact architecture; judge: Mistral-7B-Instruct-v0.2's. Token ids
   from the 49,152-token SmolLM2 tokenizer are taken modulo a model's vocabulary on the way in.
 - collect: seconds per case at the paper's settings (4,4,4, up to 1000 new tokens per agent
-  output, judge up to 256), through privact.rollout_chunk, the function `collect` runs. Random
+  output, judge up to 256, PrivacyLens protocol), through privact.rollout_chunk, the function `collect` runs. Random
   weights rarely stop early and never write a parseable action, so every leaf is treated as a
-  valid action (its output as the message) and judged: the worst case on both counts.
+  valid action (its output as the judged action) and judged: the worst case on both counts.
 - train: DPO pairs/s and peak GPU memory at 8 pairs x max length 4096 per micro-batch, bf16
   autocast and gradient checkpointing, through `privact.py train` itself.
 - eval: seconds per case at K = 10 (branching 10,1,1, then the judge).
@@ -69,18 +69,11 @@ def random_model(shape, tok, dtype, device):
     return model.eval()
 
 
-def every_leaf_valid(cases):
-    """extract_action stand-in: each output is read as a message in its case's final tool."""
-    tool = cases[0]["trajectory"]["final_action"]
-    key = next(arg.strip("*") for arg in privact.P.FINAL_TOOLS[tool] if arg.startswith("*"))
-    return lambda text: (tool, {key: (text or "")[:2000]})
-
-
 def seconds_per_case(cases, branching, models, args, budget):
     roles = privact.parse_topology("generator,verifier,refiner")
     cfg = argparse.Namespace(max_new_tokens=budget, judge_max_new_tokens=args.judge_tokens,
-                             batch_size=args.batch_size, temperature=1.0)
-    privact.extract_action = every_leaf_valid(cases)
+                             batch_size=args.batch_size, temperature=1.0, judge_protocol="privacylens")
+    privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
     sync()
     start = time.perf_counter()
     records = privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
