@@ -1474,8 +1474,11 @@ def collate_pairs(examples, pad_id):
 
 
 def token_logps(lm_head, hidden, labels):
-    """hidden [N, H], labels [N] -> log p(label) [N] in float32, through the LM head."""
-    logits = lm_head(hidden).float()  # [N, V]
+    """hidden [N, H], labels [N] -> log p(label) [N] in float32, through the LM head. Outside autocast,
+    in the head's own dtype, for the policy and for the reference alike: the training step calls it
+    outside accelerate's autocast-wrapped forward, and a bf16 reference head put step 0 6.7e-4 off log 2."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = lm_head(hidden.to(lm_head.weight.dtype)).float()  # [N, V]
     return logits.gather(-1, labels[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
 

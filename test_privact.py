@@ -260,6 +260,17 @@ def test_eval_metrics_unparsed_left_out_and_counted():
     assert m["unparsed_rate"] == pytest.approx((1.0 + 1.0) / 2)
 
 
+def test_bootstrap_interval_by_hand():
+    """3 cases of one sample: 0 leaks (H 3), 1 and 2 do not (H 0, H 2). random.Random(7) draws the
+    resamples [1,0,1] [2,0,0] [2,0,1] [2,0,2] [0,0,0]: privacy Avg 2/3, 1/3, 2/3, 2/3, 0 and
+    helpfulness Avg 1/3, 8/9, 5/9, 7/9, 1; with 5 draws the 2.5th/97.5th percentiles are the ends."""
+    cases = [[s([True], 3)], [s([False], 0)], [s([False], 2)]]
+    ci = privact.bootstrap_ci(cases, resamples=5, seed=7)
+    assert ci["privacy_avg"] == pytest.approx([0, 2 / 3]) and ci["helpfulness_avg"] == pytest.approx([1 / 3, 1])
+    assert ci["privacy_leak_at_k"] == pytest.approx([0, 2 / 3]) and ci["helpfulness_bin"] == pytest.approx([1 / 3, 1])
+    assert privact.interval95(list(range(40, -1, -1))) == [1, 39]  # 41 draws: sorted[int(0.025*40)], sorted[ceil(0.975*40)]
+
+
 def test_bootstrap_interval_contains_point_estimate():
     cases = [[s([i % 3 == 0], i % 4)] * 3 for i in range(20)]
     m, ci = privact.eval_metrics(cases), privact.bootstrap_ci(cases, 300, seed=1)
@@ -425,7 +436,8 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
             assert leaf.prompt[-1]["content"].count(path[0][1]) >= 1  # the refiner saw the draft
         for node in privact.walk(root):  # siblings share the chat they saw, so a pair has one prompt
             assert all(c.prompt == node.children[0].prompt for c in node.children)
-            assert set(leaf.judgment) >= {"action", "valid", "leaks", "helpfulness"}
+        for leaf, _ in leaves:
+            assert set(leaf.judgment) >= {"action", "valid", "leaks", "helpfulness", "judge_outputs"}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["collect/cases"] == 2 and summary["collect/leaves"] == 16
     assert summary["flags"]["branching"] == "2,2,2" and summary["flags"]["seed"] == 0
@@ -502,9 +514,16 @@ def test_collect_refuses_changed_generation_flags(tmp_path, data_file, tiny_mode
     assert "seed" in capsys.readouterr().err and (run / "rollouts.jsonl").read_bytes() == before
 
 
+def rolled_out(monkeypatch):
+    """Record the cases every rollout_chunk call rolls out (a resume must not redo finished ones)."""
+    calls, real = [], privact.rollout_chunk
+    monkeypatch.setattr(privact, "rollout_chunk", lambda cases, *a: calls.append([c["name"] for c in cases]) or real(cases, *a))
+    return calls
+
+
 def test_collect_resumes_after_a_torn_write(tmp_path, data_file, tiny_model, monkeypatch):
-    """A kill in the middle of the second chunk's append leaves a partial line; the rerun cuts it
-    and finishes with every case exactly once."""
+    """A kill in the middle of the second chunk's append leaves a partial line; the rerun cuts it,
+    rolls out only the two cases not on disk, and finishes with every case exactly once."""
     run = tmp_path / "run"
     real_append, calls = privact.append_jsonl, []
 
@@ -521,28 +540,35 @@ def test_collect_resumes_after_a_torn_write(tmp_path, data_file, tiny_model, mon
     with pytest.raises(KeyboardInterrupt):
         run_cli(*args)
     monkeypatch.setattr(privact, "append_jsonl", real_append)
+    train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:3]]
+    generated = rolled_out(monkeypatch)
     assert run_cli(*args) == 0
+    assert generated == [[train[1]], [train[2]]]  # the first case was on disk whole: not rolled out again
     names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
-    assert sorted(names) == sorted(c["name"] for c in privact.load_cases(str(data_file), "train")[:3])
-    assert len(names) == len(set(names)) == 3
+    assert names == train and len(set(names)) == 3
 
 
-def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model):
+def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model, monkeypatch):
+    """SIGKILL while cases are still to come (some, not all, on disk); the rerun rolls out exactly
+    the missing ones and the file ends with each case once."""
     run = tmp_path / "run"
-    args = [sys.executable, str(HERE / "privact.py"), *collect_args(data_file, run, tiny_model, "--num-cases", "4",
-                                                                    "--chunk-cases", "1", "--max-new-tokens", "24")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        f = run / "rollouts.jsonl"
-        if f.exists() and f.read_text().count("\n") >= 1:
-            break
-        time.sleep(0.05)
+    flags = collect_args(data_file, run, tiny_model, "--num-cases", "4", "--chunk-cases", "1", "--max-new-tokens", "48")
+    proc = subprocess.Popen([sys.executable, str(HERE / "privact.py"), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shard, deadline = run / "rollouts.rank0.jsonl", time.time() + 120
+    while time.time() < deadline and proc.poll() is None and not (shard.exists() and shard.read_text().count("\n") >= 1):
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert subprocess.run(args, capture_output=True).returncode == 0
+    assert not (run / "rollouts.jsonl").exists(), "the run finished before it could be killed"
+    done = [json.loads(line)["case"] for line in shard.read_text().splitlines() if line.endswith("}")]
+    assert 0 < len(done) < 4
+    train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:4]]
+    generated = rolled_out(monkeypatch)
+    assert run_cli(*flags) == 0
+    assert sorted(n for call in generated for n in call) == sorted(set(train) - set(done))
     names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
-    assert len(names) == len(set(names)) == 4
+    assert names == train
     assert not list(run.glob("*.tmp*"))
 
 
@@ -972,7 +998,9 @@ def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
     assert run_cli("train", "--pairs", pairs_path, "--model", tiny_model, "--out", out, "--batch-size", "4",
                    "--max-steps", "1", "--eval-fraction", "0", "--mixed-precision", "bf16") == 0
     hist = json.loads((out / "train_metrics.json").read_text())["history"]
-    assert hist[0]["train/loss"] == pytest.approx(math.log(2), abs=2e-2)  # reference under the same autocast
+    # reference under the same autocast, LM head in float32 for both: measured 1.9e-9 off; a bf16 reference
+    # head gave 6.7e-4, a reference outside autocast 4.6e-5
+    assert hist[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_train_bad_inputs(tmp_path, tiny_model, capsys):
@@ -1099,10 +1127,24 @@ def test_eval_end_to_end(tmp_path, data_file, tiny_model, extra, chain):
 
 
 def test_eval_uses_trained_role_models_and_compare_table(tmp_path, data_file, tiny_model, capsys):
+    """A "trained" verifier told apart by its output: its final norm is zeroed, so every logit is 0 and
+    greedy decoding writes token 0 ('!') throughout; the generator and refiner keep the base model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    trained = tmp_path / "verifier_model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    torch.nn.init.zeros_(model.model.norm.weight)
+    model.save_pretrained(trained)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(trained)
     a, b = tmp_path / "a", tmp_path / "b"
     assert run_cli(*eval_args(data_file, a, tiny_model, "--baseline", "vanilla")) == 0
-    assert run_cli(*eval_args(data_file, b, tiny_model, "--verifier", tiny_model + "/", "--label", "V-only")) == 0
-    assert json.loads((b / "config.json").read_text())["models"]["verifier"] == tiny_model + "/"
+    assert run_cli(*eval_args(data_file, b, tiny_model, "--verifier", trained, "--label", "V-only")) == 0
+    assert json.loads((b / "config.json").read_text())["models"]["verifier"] == str(trained)
+    outputs = {}
+    for rec in read_jsonl(b / "rollouts.jsonl"):
+        for node in privact.walk(privact.node_from_dict(rec["tree"])):
+            outputs.setdefault(node.role, []).append(node.output)
+    assert set(outputs["verifier"]) == {"!" * 6}
+    assert all(o != "!" * 6 and not o.startswith("Thought:!!!!!!") for role in ("generator", "refiner") for o in outputs[role])
     capsys.readouterr()
     assert run_cli("eval", "--compare", a / "report.json", b) == 0
     table = capsys.readouterr().out
@@ -1275,7 +1317,7 @@ def confaide_args(out, tiny_model, *extra):
             "--max-new-tokens", "8", "--dtype", "float32", "--chunk-cases", "1", "--bootstrap", "100", *extra]
 
 
-def test_confaide_eval_end_to_end_and_resume(tmp_path, tiny_model, capsys):
+def test_confaide_eval_end_to_end_and_resume(tmp_path, tiny_model, capsys, monkeypatch):
     out = tmp_path / "confaide"
     assert run_cli(*confaide_args(out, tiny_model)) == 0
     report = json.loads((out / "report.json").read_text())
@@ -1297,18 +1339,26 @@ def test_confaide_eval_end_to_end_and_resume(tmp_path, tiny_model, capsys):
     rollouts = (out / "rollouts.jsonl").read_text().splitlines(keepends=True)
     (out / "rollouts.jsonl").write_text(rollouts[0] + rollouts[1][:20])
     (out / "report.json").unlink()
+    calls, real = [], privact.confaide_chunk
+    monkeypatch.setattr(privact, "confaide_chunk", lambda items, *a: calls.append(list(items)) or real(items, *a))
     assert run_cli(*confaide_args(out, tiny_model)) == 0
+    assert calls == [["tier3/1"], ["tier4/0"], ["tier4/1"]]  # tier3/0 was whole on disk
     assert json.loads((out / "report.json").read_text())["cases"] == report["cases"]
     capsys.readouterr()
     assert run_cli("eval", "--compare", out, out) == 0 and capsys.readouterr().out.count("worst case") == 2
 
 
-def test_confaide_default_budget_is_256_tokens(tmp_path, tiny_model):
+def test_confaide_default_budget_is_256_tokens(tmp_path, tiny_model, monkeypatch):
+    """With no stop token, every answer runs to the default budget: 2 prompts x 2 samples x 256 tokens
+    (the random model's own <|im_end|> tokens, sampled mid-answer, are not counted)."""
+    monkeypatch.setattr(privact, "stop_token_ids", lambda model, tok: [])
     out = tmp_path / "c"
     assert run_cli("eval", "--benchmark", "confaide", "--model", tiny_model, "--out", out, "--num-cases", "1",
-                   "--tiers", "4", "--samples", "1", "--dtype", "float32", "--bootstrap", "10") == 0
+                   "--tiers", "4", "--samples", "2", "--dtype", "float32", "--bootstrap", "10") == 0
     report = json.loads((out / "report.json").read_text())
     assert report["flags"]["max_new_tokens"] == 256 and report["flags"]["temperature"] == 1.0
+    generated = read_jsonl(out / "rollouts.jsonl")[0]["generated_tokens"]
+    assert 0.95 * 4 * 256 <= generated <= 4 * 256
     assert list(report["metrics"]) == ["MS-E", "AI-E", "MS-no_public_info", "MS-has_private_info", "AI-no_public_info", "AI-has_private_info"]
 
 
@@ -1361,15 +1411,45 @@ def readme_block(section):
     return re.search(r"```bash\n(.*?)```", text.split("\n## " + section, 1)[1], re.S).group(1)
 
 
+def python_on_path(folder, interpreter=sys.executable):
+    """An env whose `python` is `interpreter`, through a wrapper script in folder/.bin that execs it.
+    Not a symlink: a virtual environment's interpreter finds its site-packages through the
+    pyvenv.cfg beside the path it was started from, and started through a link elsewhere it runs
+    as the bare base Python."""
+    (folder / ".bin").mkdir(parents=True, exist_ok=True)
+    shim = folder / ".bin" / "python"
+    shim.write_text(f'#!/bin/sh\nexec "{interpreter}" "$@"\n')
+    shim.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder / '.bin'}:{os.environ['PATH']}"}
+
+
 def project_copy(folder):
     """What a fresh clone holds (nothing from outside the project), with `python` this interpreter."""
     folder.mkdir()
     for name in ("privact.py", "judge_prompts.py", "ds_zero2_offload.json", "README.md"):
         shutil.copy(HERE / name, folder)
     shutil.copytree(HERE / "data", folder / "data")
-    (folder / ".bin").mkdir()
-    (folder / ".bin" / "python").symlink_to(sys.executable)
-    return {**os.environ, "PATH": f"{folder / '.bin'}:{os.environ['PATH']}"}
+    return python_on_path(folder)
+
+
+def test_python_on_path_keeps_a_venv_interpreter(tmp_path):
+    """A venv (--system-site-packages, as users layer one over a base install) holding a module of
+    its own: `python` on the quick start's PATH imports torch and that module; a symlink to the
+    venv's interpreter, as this test once used, finds neither the venv nor the module."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "only_in_this_venv.py").write_text("")
+    probe = ["python", "-c", "import sys, torch, only_in_this_venv; print(sys.prefix)"]
+    env = python_on_path(tmp_path / "shim", venv / "bin" / "python")
+    done = subprocess.run(probe, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == str(venv), done.stderr[-2000:]
+    (tmp_path / "link" / ".bin").mkdir(parents=True)
+    (tmp_path / "link" / ".bin" / "python").symlink_to(venv / "bin" / "python")
+    linked = subprocess.run(probe, capture_output=True, text=True,
+                            env={**os.environ, "PATH": f"{tmp_path / 'link' / '.bin'}:{os.environ['PATH']}"})
+    assert linked.returncode != 0 and "only_in_this_venv" in linked.stderr
 
 
 def test_readme_quick_start_runs_verbatim(tmp_path):
