@@ -327,58 +327,8 @@ def embedded_model_folder(name):
     return list(spec.submodule_search_locations)[0], gguf
 
 
-def cpu_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Attention on a CPU without its two slow paths in SDPA: query [B, H, q, d], key/value
-    [B, Hkv, L, d], mask bool [B, 1, q, L] (True = attend) -> ([B, q, H, d], None).
-    - One new token per sequence (decoding): two matmuls over the key/value heads. torch's SDPA
-      kernel for a single bf16 query ran 13x slower without AMX (15 ms vs 1.1 ms per layer for
-      16 sequences x 1.8k keys; 2.5x in float32). Rows that share a prefilled prefix (the key
-      tensor's `shared_prefix`, set by mark_cache) read it once (cascade), and only the
-      filled cache slots are read.
-    - Several tokens under a mask (prefill of padded prompts): SDPA reads the key/value heads
-      directly (enable_gqa) instead of transformers copying them H/Hkv times; same numbers.
-    Training (no mask) and GPUs keep transformers' SDPA path."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    if query.device.type != "cpu" or kwargs.get("position_bias") is not None or (query.shape[2] > 1 and attention_mask is None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    b, h, q, d = query.shape
-    if q > 1:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2), None
-    grouped = query.view(b, key.shape[1], h // key.shape[1], d)  # a key/value head's queries side by side
-    scale = scaling or d ** -0.5
-    wp, spans = getattr(key, "shared_prefix", (0, []))  # set by mark_cache, as is `filled`
-    n = int(getattr(key, "filled", key.shape[2]))
-    key, value = key[:, :, :n], value[:, :, :n]
-    scores = (key[:, :, wp:] @ grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, Hkv, H/Hkv, n - wp]
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask[..., wp:n], float("-inf"))
-    if not wp:
-        return (scores.softmax(-1).to(value.dtype) @ value).reshape(b, 1, h, d), None
-    return torch.cat([cascade(grouped[r0:r1], scores[r0:r1], prefix_keys, prefix_values, value[r0:r1, :, wp:], scale)
-                      for r0, r1, prefix_keys, prefix_values in spans]).reshape(b, 1, h, d), None
 
 
-def cascade(query, rest_scores, prefix_keys, prefix_values, rest_values, scale):
-    """One softmax over a group's shared prefix and each row's own keys, reading the prefix once.
-    query [r, Hkv, g, d]; rest_scores [r, Hkv, g, R] (masked); prefix_keys/values [Hkv, p, d]
-    (the same in all r rows); rest_values [r, Hkv, R, d] -> [r, Hkv, g, d]. Decoding is bound by
-    memory traffic on a CPU: the r rows' queries meet the prefix in one matmul, so its keys and
-    values are read once instead of r times (16 rows in 2 groups, 1.8k tokens: 61 -> 29 ms a step)."""
-    r, hkv, g, d = query.shape
-    p = prefix_keys.shape[1]
-    pre = (prefix_keys @ query.permute(1, 3, 0, 2).reshape(hkv, d, r * g)).transpose(-1, -2).float() * scale  # [Hkv, r*g, p]
-    probs = torch.cat([pre.view(hkv, r, g, p).transpose(0, 1), rest_scores], -1).softmax(-1).to(rest_values.dtype)
-    from_prefix = probs[..., :p].transpose(0, 1).reshape(hkv, r * g, p) @ prefix_values  # [Hkv, r*g, d]
-    return from_prefix.view(hkv, r, g, d).transpose(0, 1) + probs[..., p:] @ rest_values
-
-
-def use_cpu_attention(model):
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    AttentionInterface.register("privact_cpu", cpu_attention)
-    AttentionMaskInterface.register("privact_cpu", sdpa_mask)  # the masks SDPA would get
-    model.set_attn_implementation("privact_cpu")
 
 
 def load_model(name_or_path, dtype=torch.float32, device=None):
@@ -397,8 +347,6 @@ def load_model(name_or_path, dtype=torch.float32, device=None):
     if not tok.chat_template:
         raise UsageError(f"model {name_or_path!r}: the tokenizer has no chat template")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if model.config._attn_implementation == "sdpa":
-        use_cpu_attention(model)
     return model.to(device).eval(), tok
 
 
@@ -446,7 +394,7 @@ def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
     the model alone, unpadded ([1, p]), and its KV is written into its members' rows; then all
     the rests go through the model together ([n, W - 1 - Wp]). Returns (ids [n, W], mask [n, W],
     StaticCache of n rows holding W - 1 positions, with room for max_new_tokens more, prompt
-    tokens prefilled, (Wp, [(first row, end row, prefix length) per group]))."""
+    tokens prefilled)."""
     from transformers import DynamicCache
     starts = [i for i in range(len(seqs)) if i == 0 or group_of[i] != group_of[i - 1]]
     spans = list(zip(starts, starts[1:] + [len(seqs)]))
@@ -473,7 +421,7 @@ def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
         model(input_ids=ids[:, wp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, wp:-1],
               cache=cache, use_cache=True, logits_to_keep=1)
-    return ids, mask, cache, sum(plen) + sum(len(r) - 1 for r in rests), (wp, [(a, b, p) for (a, b), p in zip(spans, plen)])
+    return ids, mask, cache, sum(plen) + sum(len(r) - 1 for r in rests)
 
 
 def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, processors=(), **generate_kw):
@@ -486,7 +434,7 @@ def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, proce
     every step (81% of a decode step for 16 sequences of 1.7k tokens on an AMX CPU). Here the
     prefilled KV is copied B times into a preallocated StaticCache that decoding writes in place.
     """
-    ids, mask, cache, n_prefilled, (wp, spans) = prefill_shared(model, seqs, group_of, pad_id, gen.max_new_tokens)
+    ids, mask, cache, n_prefilled = prefill_shared(model, seqs, group_of, pad_id, gen.max_new_tokens)
     n, width = ids.shape
     if num_return > 1:
         prefill, cache = cache, full_static_cache(model, width + gen.max_new_tokens)
@@ -496,51 +444,11 @@ def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, proce
                 full.view(n, num_return, *full.shape[1:])[:, :, :, :width - 1] = part[:, None, :, :width - 1]
             static.cumulative_length.fill_(width - 1)
         del prefill
-    mark_cache(model, cache, wp, [(a * num_return, b * num_return, p) for a, b, p in spans])
     out = model.generate(input_ids=ids.repeat_interleave(num_return, 0), attention_mask=mask.repeat_interleave(num_return, 0),
                          cache=cache, generation_config=gen, logits_processor=list(processors), **generate_kw)
     return out, width, n_prefilled + n * num_return
 
 
-def mark_cache(model, cache, wp, spans):
-    """Tell cpu_attention, on a CPU, how many cache slots are filled (`filled`: it reads only those,
-    not the empty ones left for the tokens still to come) and which rows share a prefilled prefix
-    (spans: [(first row, end row, prefix length)], the prefix at positions wp - length .. wp - 1),
-    so that each group reads it once per decoding step (cascade): only when groups average 4+
-    rows (smaller ones lost time to the extra steps), never for sliding-window models (their
-    mask must see every position)."""
-    if model.device.type != "cpu":
-        return
-    for layer in cache.layers:
-        layer.keys.filled = layer.cumulative_length  # StaticLayer.update adds each step's token in place
-    if len(spans) * 4 > spans[-1][1] or getattr(model.config, "sliding_window", None):
-        return
-    for layer in cache.layers:
-        layer.keys.shared_prefix = (wp, [(a, b, layer.keys[a, :, wp - p:wp].contiguous(), layer.values[a, :, wp - p:wp].contiguous())
-                                         for a, b, p in spans])
-
-
-@contextlib.contextmanager
-def packed_linears(model):
-    """Within the block (a whole collect or eval run), each bfloat16 nn.Linear of a CPU model
-    multiplies by a copy of its weight laid out once in oneDNN's blocked format, where F.linear
-    lays the weight out again at every call. The same kernel, bit-identical outputs
-    (test_packed_linears_match_plain_linear); a decoding step, bound by reading the weights
-    (270 MB for SmolLM2), spends ~35% less in its linears. Costs a second copy of the weights
-    while the block runs. float32 is left alone (its packed kernel rounds differently)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.bfloat16 and "forward" not in m.__dict__]  # (not one hooked by accelerate)
-    if not linears or not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        yield
-        return
-    try:
-        for m in linears:
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 16)
-            m.forward = lambda x, w=packed, b=m.bias: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        yield
-    finally:
-        for m in linears:
-            m.__dict__.pop("forward", None)
 
 
 def sampling_config(model, tok, max_new_tokens, sample, temperature):
@@ -1194,10 +1102,7 @@ def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
     if state.is_main_process:
         write_json(os.path.join(out, "config.json"), flags)
     models = {role: loaded.get(path) for role, path in model_paths.items()}
-    with contextlib.ExitStack() as packed:
-        for model, _ in loaded.values():
-            packed.enter_context(packed_linears(model))
-        return run_chunks(out, keys, done, chunks, todo, lambda ks: work(models, ks), cfg.seed, state)
+    return run_chunks(out, keys, done, chunks, todo, lambda ks: work(models, ks), cfg.seed, state)
 
 
 def generation_flags(cfg, **shape):

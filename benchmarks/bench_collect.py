@@ -100,11 +100,9 @@ def main():
     hf_generate(model, tok, privact.build_chat("generator", cases[0], []), 1, 4, 1.0)  # untimed warm-up
 
     def privact_side():
-        with privact.packed_linears(model):  # as collect runs (run_stage); packing is timed too
-            return privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
+        return privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
     ours, records = timed(privact_side, args, len(cases))
     print(f" privact: {min(ours):.1f} s per case", flush=True)
-    model.set_attn_implementation("sdpa")  # stock transformers; privact's CPU decode attention is one of its speed-ups
     theirs, _ = timed(lambda: hf_loop(records, cases, roles, branching, model, tok, args), args, len(cases))
     print(f" HF loop: {min(theirs):.1f} s per case", flush=True)
     leaves = [leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))]

@@ -63,9 +63,8 @@ def main():
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         if name == "batched":
-            with privact.packed_linears(model):  # as collect and eval run (run_stage)
-                _, n = privact.generate_batched(model, tok, chats, args.samples, args.max_new_tokens, args.batch_size,
-                                                "batched", args.temperature, privact.P.ACTION_PREFIX)
+            _, n = privact.generate_batched(model, tok, chats, args.samples, args.max_new_tokens, args.batch_size,
+                                            "batched", args.temperature, privact.P.ACTION_PREFIX)
         else:
             n = per_prompt(model, tok, chats, args.samples, args.max_new_tokens, args.temperature)
         seconds = time.perf_counter() - start

@@ -57,7 +57,6 @@ def run_trl(args, pairs, out):
     from trl import DPOConfig, DPOTrainer
     model, tok = privact.load_model(args.model, dtype=torch.float32)
     privact.strip_gguf_config(model)
-    model.set_attn_implementation("sdpa")  # stock transformers, not privact's CPU attention
     rows = [json.loads(line) for line in open(pairs)]
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                       "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
