@@ -1726,30 +1726,26 @@ def dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader, plan, accelerat
                 optimizer.step()
                 optimizer.zero_grad()
             window.append(m)
-            p["batches"] += 1
-            p["seen"] += batch["ref_chosen"].shape[0] * accelerator.num_processes
+            p["batches"], p["seen"] = p["batches"] + 1, p["seen"] + batch["ref_chosen"].shape[0] * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
             p["step"], p["seconds"] = p["step"] + 1, time.time() - start
             row = {"step": p["step"], "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
                    "train/lr": lr, "train/pairs_per_s": p["seen"] / p["seconds"]}
-            window = []
             if eval_loader is not None and (p["step"] % cfg.eval_every == 0 or p["step"] == plan["steps"]):
                 row.update(evaluate_dpo(model, eval_loader, cfg.beta, accelerator))
             p["history"].append(row)
+            window = []
             bar.update(1)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}",
-                            pairs_s=f"{row['train/pairs_per_s']:.2f}")
+            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}", pairs_s=f"{row['train/pairs_per_s']:.2f}")
             if p["step"] % cfg.log_every == 0:
                 accelerator.print(json.dumps(row))
             if p["step"] >= plan["steps"]:
-                bar.close()
-                return p
+                return bar.close() or p
             if cfg.save_every and p["step"] % cfg.save_every == 0:
                 save_train_state(accelerator, state_dir, p)
         p["epoch"], p["batches"] = epoch + 1, 0
-    bar.close()
-    return p
+    return bar.close() or p
 
 
 RESUMABLE_FLAGS = ("save_every", "keep_state", "log_every")  # a resumed train may change these, no others
@@ -1758,26 +1754,26 @@ RESUMABLE_FLAGS = ("save_every", "keep_state", "log_every")  # a resumed train m
 def open_train_state(cfg, out, accelerator):
     """<out>.state holds what a killed train resumes from: flags.json, reference.pt (see
     prepare_dpo_data), step-<k>/ (accelerate's save_state: model, optimizer, RNG; the learning rate is a
-    function of the step, cosine_lr) and
-    progress.json (which step-<k>, epoch, batches done, pairs seen, history). -> (folder, progress
-    or None). A state made with other result-shaping flags or another process count is refused."""
+    function of the step, cosine_lr) and progress.json (which step-<k>, epoch, batches done, pairs seen,
+    history). -> (folder, progress or None). A state made with other result-shaping flags or another
+    process count is refused; before its first saved step, a smaller --batch-size (after running out of
+    memory) and another --grad-accum are taken, and the saved reference log-probs reused."""
     state_dir = out + ".state"
     flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_FLAGS}
     flags.update(num_processes=accelerator.num_processes, deepspeed=accelerator.state.deepspeed_plugin is not None)
-    path = os.path.join(state_dir, "flags.json")
-    if os.path.exists(path):
-        old = read_json_file(path)
-        for key, value in flags.items():
-            if old.get(key) != value:
-                raise UsageError(f"{state_dir}: the killed run it holds had {key}={old.get(key)!r}, not {value!r}; "
-                                 f"rerun it unchanged to resume, or remove {state_dir} to start over")
+    path, progress = os.path.join(state_dir, "flags.json"), os.path.join(state_dir, "progress.json")
+    progress = read_json_file(progress) if os.path.exists(progress) else None
+    old = read_json_file(path) if os.path.exists(path) else flags
+    for key, value in flags.items():
+        if old.get(key) != value and (progress or key not in ("batch_size", "grad_accum")):
+            raise UsageError(f"{state_dir}: the killed run it holds had {key}={old.get(key)!r}, not {value!r}; "
+                             f"rerun it unchanged to resume, or remove {state_dir} to start over")
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process and not os.path.exists(path):
+    if accelerator.is_main_process:
         os.makedirs(state_dir, exist_ok=True)
         write_json(path, flags)
     accelerator.wait_for_everyone()
-    progress = os.path.join(state_dir, "progress.json")
-    return state_dir, read_json_file(progress) if os.path.exists(progress) else None
+    return state_dir, progress
 
 
 def rebuild_cpu_adam_cache(optimizer):
@@ -2052,6 +2048,11 @@ def main(argv=None):
         command(config_from_args(cls, ns))
     except UsageError as e:
         print(f"privact {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    except torch.cuda.OutOfMemoryError:  # every finished chunk (train: the saved state) is on disk
+        print(f"privact {ns.command}: error: out of memory at --batch-size {ns.batch_size}: rerun the same command with a "
+              "smaller --batch-size to resume" + (" (and a larger --grad-accum for the same pairs per step)" if ns.command ==
+                                                  "train" else " where it stopped"), file=sys.stderr)
         return 2
     return 0
 

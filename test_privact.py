@@ -548,6 +548,45 @@ def test_collect_resumes_after_a_torn_write(tmp_path, data_file, tiny_model, mon
     assert names == train and len(set(names)) == 3
 
 
+def test_out_of_memory_says_which_flag_and_a_smaller_batch_resumes(tmp_path, data_file, tiny_model, monkeypatch, capsys):
+    """A CUDA out-of-memory error (injected at the second chunk) ends collect with one line naming
+    --batch-size; the first chunk stays on disk and the same command with a smaller batch resumes."""
+    run, real, calls = tmp_path / "run", privact.rollout_chunk, []
+
+    def oom_at_second_chunk(cases, *a):
+        calls.append([c["name"] for c in cases])
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(cases, *a)
+    monkeypatch.setattr(privact, "rollout_chunk", oom_at_second_chunk)
+    args = collect_args(data_file, run, tiny_model, "--num-cases", "3", "--chunk-cases", "1", "--batch-size", "16")
+    assert run_cli(*args) == 2
+    err, = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # one line (besides progress bars)
+    assert "out of memory at --batch-size 16" in err and "smaller --batch-size" in err
+    assert [json.loads(line)["case"] for line in (run / "rollouts.rank0.jsonl").read_text().splitlines()] == calls[0]
+    monkeypatch.setattr(privact, "rollout_chunk", real)
+    generated = rolled_out(monkeypatch)
+    assert run_cli(*args[:-1], "4") == 0
+    train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:3]]
+    assert generated == [[train[1]], [train[2]]] and [r["case"] for r in read_jsonl(run / "rollouts.jsonl")] == train
+
+
+def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, monkeypatch, capsys):
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 8)
+    real_step, real_ref, refs = privact.dpo_step, privact.reference_logps, []
+    monkeypatch.setattr(privact, "reference_logps", lambda *a, **k: refs.append(1) or real_ref(*a, **k))
+    monkeypatch.setattr(privact, "dpo_step", lambda *a: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")))
+    args = ["train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "v", "--eval-fraction", "0", "--max-steps", "2"]
+    assert run_cli(*args, "--batch-size", "8", "--grad-accum", "1") == 2
+    err, = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert "smaller --batch-size" in err and "--grad-accum" in err
+    monkeypatch.setattr(privact, "dpo_step", real_step)
+    assert run_cli(*args, "--batch-size", "4", "--grad-accum", "2") == 0
+    assert refs == [1], "the reference log-probs of the first try are reused"
+    assert json.loads((tmp_path / "v" / "train_metrics.json").read_text())["train/steps"] == 2
+
+
 def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model, monkeypatch):
     """SIGKILL while cases are still to come (some, not all, on disk); the rerun rolls out exactly
     the missing ones and the file ends with each case once."""
