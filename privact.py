@@ -25,7 +25,6 @@ Left out on purpose: ToolEmu execution of the action (the action is judged as wr
 PrivacyLens' action-based evaluation), vLLM and LoRA.
 """
 import argparse
-import contextlib
 import dataclasses
 import functools
 import glob
@@ -44,6 +43,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from accelerate import Accelerator, PartialState
+from accelerate.utils import broadcast_object_list, gather_object, parse_flag_from_env, reduce, set_seed
+from jinja2 import TemplateError
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, StaticCache
+from transformers.cache_utils import StaticLayer
 
 import judge_prompts as P
 
@@ -98,9 +102,7 @@ def opt(default, help, **argparse_kw):
 @dataclass
 class RolloutConfig:
     """Flags shared by collect and eval: what is sampled, by which model, how fast."""
-    data: str = opt("", "PrivacyLens main_data.json path or hub dataset id (SALT-NLP/PrivacyLens); "
-                        "empty = the bundled copy, data/privacylens/main_data.json (eval --benchmark confaide: "
-                        "a folder with tier_3.txt and tier_4.txt; empty = data/confaide)")
+    data: str = opt("", "PrivacyLens main_data.json or hub id (SALT-NLP/PrivacyLens); confaide: a folder of tier files; empty = data/")
     split: str = opt("train", "train (394 cases), test (99) or all; the released seed-42 split")
     num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)")
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
@@ -108,15 +110,12 @@ class RolloutConfig:
     topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
     prompt: str = opt("naive", "system-line variant: naive or privacy_enhanced (the PPE baseline)")
     max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens")
-    judge_protocol: str = opt("privacylens", "privacylens: PrivacyLens's own judge prompts, cut and parsers (the paper's "
-                                             "instrument); strict: ours, with an answer slot for small judges and "
-                                             "unparsed verdicts counted")
-    judge_max_new_tokens: int = opt(0, "generation budget per judge call, in tokens (0 = 1000 for privacylens, as "
-                                       "PrivacyLens; 256 for strict)")
+    judge_protocol: str = opt("privacylens", "privacylens (the paper's: PrivacyLens's prompts and parsers) or strict (ours, for small judges)")
+    judge_max_new_tokens: int = opt(0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)")
     temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)")
-    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt)")
-    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (resume unit)")
-    dtype: str = opt("bfloat16", "weights dtype for generation: bfloat16 (paper; on an AMX CPU 5.4x faster prefill, 1.6x decode) or float32")
+    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error")
+    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)")
+    dtype: str = opt("bfloat16", "weights dtype for generation: bfloat16 (the paper's), float32 or float16")
     seed: int = opt(0, "seed for sampling; each chunk of cases reseeds from it")
 
 
@@ -125,8 +124,7 @@ class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
-    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases cases at a time, until every trained role has this "
-                            "many pairs (0 = off; for small models whose pairs are few)")
+    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)")
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)")
     b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)")
     alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)")
@@ -151,13 +149,10 @@ class TrainConfig:
     eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss")
     eval_every: int = opt(50, "optimizer steps between eval-loss measurements")
     max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
-    mixed_precision: str = opt("no", "no or bf16 autocast, master weights stay float32 (a DPO step ran 2.2x faster "
-                                     "in bf16 on this AMX CPU); accelerate launch flags win")
-    gradient_checkpointing: bool = opt(True, "recompute layer activations in backward: long prompts make them the largest memory cost",
-                                       action=argparse.BooleanOptionalAction)
+    mixed_precision: str = opt("no", "no or bf16 (autocast; float32 master weights); accelerate launch flags win")
+    gradient_checkpointing: bool = opt(True, "recompute activations in backward (long prompts)", action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines")
-    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun the "
-                              "same command after a kill to resume")
+    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume")
     keep_state: bool = opt(False, "keep <out>.state after the final checkpoint is saved", action=argparse.BooleanOptionalAction)
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
@@ -171,19 +166,14 @@ class EvalConfig(RolloutConfig):
     generator: str = opt("", "model for the generator role (default: --model)")
     verifier: str = opt("", "model for the verifier role, e.g. a trained checkpoint (default: --model)")
     refiner: str = opt("", "model for the refiner role, e.g. a trained checkpoint (default: --model)")
-    label: str = opt("", "name of this configuration in tables (empty: the baseline or the roles trained; confaide: "
-                              "the model's folder name)")
+    label: str = opt("", "name in tables (default: the baseline or the roles trained; confaide: the model's folder)")
     bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals")
-    compare: tuple = opt((), "print these report.json files side by side and exit (PrivacyLens and ConfAIde "
-                             "reports each get their table)", nargs="+")
-    plot: str = opt("", "with --compare: draw the PrivacyLens reports as the paper's Figure 2 (privacy vs "
-                        "helpfulness, 95% intervals, Pareto frontier) into this PNG; needs matplotlib")
-    benchmark: str = opt("privacylens", "privacylens (the agent chain, paper Table 5) or confaide (tiers 3-4 "
-                                        "asked of --model as a plain chat model, paper Table 2)")
+    compare: tuple = opt((), "print these report.json files side by side and exit", nargs="+")
+    plot: str = opt("", "with --compare: draw the paper's Figure 2 from the PrivacyLens reports into this PNG (matplotlib)")
+    benchmark: str = opt("privacylens", "privacylens (the agent chain) or confaide (tiers 3-4 asked of --model, Table 2)")
     tiers: str = opt("3,4", "confaide: tiers to run (tier 3: FR, IA, PS; tier 4: MS, AI)")
     samples: int = opt(10, "confaide: sampled answers per prompt")
-    max_new_tokens: int = opt(0, "generation budget per agent output or ConfAIde answer (0 = 1000 for "
-                                 "privacylens, 256 for confaide)")
+    max_new_tokens: int = opt(0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -881,7 +871,6 @@ def embedded_model_folder(name):
 
 def load_model(name_or_path, dtype=torch.float32, device=None):
     """(model, tokenizer) from a short name (smollm2: offline GGUF), a hub id or a local folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     kw = {}
     if name_or_path in EMBEDDED_MODELS:
         name_or_path, kw["gguf_file"] = embedded_model_folder(name_or_path)
@@ -914,11 +903,9 @@ def prefix_groups(token_ids):
     for i in sorted(range(len(token_ids)), key=lambda i: token_ids[i]):
         common = len(os.path.commonprefix([token_ids[groups[-1][0]], token_ids[i]])) if groups else 0
         if groups and common >= max(16, shared // 2):
-            groups[-1].append(i)
-            shared = min(shared, common)
+            groups[-1], shared = groups[-1] + [i], min(shared, common)
         else:
-            groups.append([i])
-            shared = len(token_ids[i])
+            groups, shared = groups + [[i]], len(token_ids[i])
     return sorted(groups, key=lambda g: -max(len(token_ids[i]) for i in g))
 
 
@@ -926,8 +913,6 @@ def full_static_cache(model, max_len):
     """A preallocated KV cache holding all max_len positions in every layer. Sliding-window layers
     too: the model's own mask still limits what they attend to (transformers' sliding static
     layers roll instead, which the in-place prefill below cannot fill)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     cache.layers = [StaticLayer(max_cache_len=max_len) for _ in cache.layers]
     return cache
@@ -943,7 +928,6 @@ def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
     the rests go through the model together ([n, W - 1 - Wp]). Returns (ids [n, W], mask [n, W],
     StaticCache of n rows holding W - 1 positions, with room for max_new_tokens more, prompt
     tokens prefilled)."""
-    from transformers import DynamicCache
     starts = [i for i in range(len(seqs)) if i == 0 or group_of[i] != group_of[i - 1]]
     spans = list(zip(starts, starts[1:] + [len(seqs)]))
     plen = [min(len(os.path.commonprefix(seqs[a:b])), min(len(s) for s in seqs[a:b]) - 1) for a, b in spans]
@@ -1001,7 +985,6 @@ def sampling_config(model, tok, max_new_tokens, sample, temperature):
     """(GenerationConfig, logits processors) for plain temperature sampling (no top-k/top-p) or
     greedy decoding. Sampling is the last processor of a greedy generate (draw_tokens). The
     model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used."""
-    from transformers import GenerationConfig
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
                            eos_token_id=stop_token_ids(model, tok))
     return gen, [draw_tokens(temperature)] if sample else []
@@ -1025,7 +1008,6 @@ def chat_text(tok, chat):
     """A chat through the tokenizer's template, with the generation prompt. A template that rejects
     a system message (Gemma's, older Mistral-Instruct ones) gets the system text folded into the
     first user message after a blank line, as Mistral's own tooling does; said once on stderr."""
-    from jinja2 import TemplateError
     if chat[0]["role"] == "system" and getattr(tok, "fold_system", False):
         chat = [{"role": "user", "content": chat[0]["content"] + "\n\n" + chat[1]["content"]}, *chat[2:]]
     try:
@@ -1066,11 +1048,9 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     groups = [[i] for i in range(len(chats))] if sliding else prefix_groups(token_ids)
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     order = sorted(range(len(chats)), key=lambda i: (group_of[i], token_ids[i]))
-    per_call = max(1, batch_size // num_return)
     results, n_tokens, n_prefilled, start = [None] * len(chats), 0, 0, time.time()
     bar = tqdm(total=len(chats) * num_return, desc=desc, unit="seq", leave=False)
-    for b in range(0, len(order), per_call):
-        idx = order[b:b + per_call]
+    for idx in (order[b:b + max(1, batch_size // num_return)] for b in range(0, len(order), max(1, batch_size // num_return))):
         with torch.inference_mode():
             processors = ([open_answer_slot(tok, max_new_tokens, slot, [options[i] for i in idx for _ in range(num_return)],
                                             gen.eos_token_id)] if slot else []) + sampler
@@ -1078,16 +1058,15 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
                                                    tok.pad_token_id, gen, num_return, processors, tokenizer=tok)
         new = out[:, width:]  # [len(idx) * num_return, new_tokens]
         n_tokens, n_prefilled = n_tokens + int((new != tok.pad_token_id).sum()), n_prefilled + n
-        decoded = tok.batch_decode(new, skip_special_tokens=True)
+        decoded = [(s.split(stop)[0] if stop else s) for s in tok.batch_decode(new, skip_special_tokens=True)]
         for j, i in enumerate(idx):
-            results[i] = [(prefixes[i] + (s.split(stop)[0] if stop else s)).strip()
-                          for s in decoded[j * num_return:(j + 1) * num_return]]
+            results[i] = [(prefixes[i] + s).strip() for s in decoded[j * num_return:(j + 1) * num_return]]
         bar.update(len(idx) * num_return)
         bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     bar.close()
-    if stats is not None:
-        stats["prompt_tokens_prefilled"] = stats.get("prompt_tokens_prefilled", 0) + n_prefilled
-        stats["prompt_tokens_plain"] = stats.get("prompt_tokens_plain", 0) + sum(map(len, token_ids)) * num_return
+    for key, n in (("prompt_tokens_prefilled", n_prefilled), ("prompt_tokens_plain", sum(map(len, token_ids)) * num_return)):
+        stats = {} if stats is None else stats
+        stats[key] = stats.get(key, 0) + n  # what was prefilled, and what generate(num_return_sequences=B) would prefill
     return results, n_tokens
 
 
@@ -1142,34 +1121,24 @@ def read_json_file(path):
         raise UsageError(f"{path}: cannot read ({e.strerror})")
 
 
-def is_hub_id(source):
-    return source.count("/") == 1 and not source.startswith((".", "/")) and not os.path.splitext(source)[1]
-
-
-def load_hub_rows(source, flag, **kw):
-    """Rows of a hub dataset through `datasets` (users have internet; tests never come here)."""
+def fetch_data(source, flag="--data", **hub_kw):
+    """(where, rows): a local file (default: the bundled data/privacylens/main_data.json) read as JSON,
+    or None for the caller to read; or a hub dataset id's rows through `datasets` (tests never come here)."""
+    path = source or os.path.join(HERE, "data", "privacylens", "main_data.json")
+    if os.path.exists(path):
+        return path, read_json_file(path) if flag == "--data" else None
+    if source.count("/") != 1 or source.startswith((".", "/")) or os.path.splitext(source)[1]:
+        raise UsageError(f"{flag} {source}: no such file")
     import datasets
     try:
-        return datasets.load_dataset(source, split="train", **kw).to_list()
+        return source, datasets.load_dataset(source, split="train", **hub_kw).to_list()
     except Exception as e:  # offline, unknown id, gated: one line instead of a traceback
         raise UsageError(f"{flag} {source}: could not load it from the hub ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]}); offline, pass a local path")
 
 
-def fetch_data(source):
-    """(where, cases) from a local main_data.json (default: the copy bundled in data/) or a hub
-    dataset id such as SALT-NLP/PrivacyLens."""
-    path = source or os.path.join(HERE, "data", "privacylens", "main_data.json")
-    if os.path.exists(path):
-        return path, read_json_file(path)
-    if not is_hub_id(source):
-        raise UsageError(f"--data {source}: no such file")
-    return source, load_hub_rows(source, "--data", data_files="main_data.json")
-
-
 def node_to_dict(node):
-    return {"role": node.role, "prompt": node.prompt, "output": node.output, "value": node.value,
-            "judgment": node.judgment, "children": [node_to_dict(c) for c in node.children]}
+    return dataclasses.asdict(node)
 
 
 def node_from_dict(d):
@@ -1233,8 +1202,6 @@ def check_run_config(path, gen_flags):
 
 def process_state():
     """This process's place among those `accelerate launch` or torchrun started (1 of 1 alone)."""
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
     return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
 
 
@@ -1245,7 +1212,6 @@ def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
     run got. Round r gives process i chunk todo[r * N + i]; after each round the counts are
     summed, so the main process's bar shows the whole run. At the end the main process merges
     the shards into one rollouts.jsonl, as a one-process run leaves it."""
-    from accelerate.utils import reduce
     shard = os.path.join(run_dir, f"rollouts.rank{state.process_index}.jsonl")
     cut_torn_line(shard)
     state.wait_for_everyone()  # every process has planned from the same files before any appends
@@ -1302,7 +1268,6 @@ def check_collect_flags(cfg):
 def run_until_pairs(cfg, names, flags, paths, work, pairs_of):
     """run_stage over the first --num-cases names, then, while --min-pairs asks for more, over the
     split's next --chunk-cases cases too. -> the records in order (main process), else None."""
-    from accelerate.utils import broadcast_object_list
     n = min(cfg.num_cases or len(names), len(names))
     while True:
         records = run_stage(cfg.out, names[:n], flags, paths, cfg.dtype, work, cfg)
@@ -1350,8 +1315,6 @@ def parse_tiers(cfg):
 
 def start_training(cfg, out):
     """The Accelerator (its launch flags win over --mixed-precision), the seed, and <out>.state."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
     if os.path.exists(os.path.join(out, "config.json")):
         raise UsageError(f"--out {out}: already holds a checkpoint; choose another folder")
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum,
@@ -1467,16 +1430,10 @@ def read_pair_rows(source):
     """Rows of a pairs JSONL file (our reader names a bad line) or of a hub dataset id (`datasets`)."""
     if not source:
         raise UsageError("--pairs is required (a pairs_<role>.jsonl written by collect, or a hub dataset id)")
-    if not os.path.exists(source):
-        if not is_hub_id(source):
-            raise UsageError(f"--pairs {source}: no such file")
-        yield from load_hub_rows(source, "--pairs")
-        return
-    with open(source) as fh:
-        lines = [line for line in fh if line.strip()]
-    for n, line in enumerate(lines, 1):
+    path, rows = fetch_data(source, "--pairs")
+    for n, line in enumerate(rows or [line for line in open(path) if line.strip()], 1):
         try:
-            yield json.loads(line)
+            yield line if rows else json.loads(line)
         except json.JSONDecodeError:
             raise UsageError(f"{source}: line {n}: not valid JSON")
 
@@ -1593,7 +1550,6 @@ def reference_logps(model, examples, batch_size, pad_id, state):
     """Adds ref_chosen / ref_rejected to every example, once, before training: no reference
     model is held in memory while the policy is optimised. Each process scores its share
     (longest first), then all shares are gathered."""
-    from accelerate.utils import gather_object
     model.eval()
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["prompt"]))[state.process_index::state.num_processes]
     scores = []
@@ -1828,36 +1784,25 @@ def setup_training(cfg, model, train_ex, eval_ex, tok, accelerator):
 
 def eval_setup(cfg):
     """-> (roles, variant per role, model path per role, label) for the chosen configuration."""
-    if cfg.baseline:
-        if cfg.baseline not in BASELINES:
-            raise UsageError(f"--baseline {cfg.baseline!r}: use one of {', '.join(BASELINES)}")
-        topology, variant = BASELINES[cfg.baseline]
-    else:
-        topology, variant = cfg.topology, cfg.prompt
+    if cfg.baseline and cfg.baseline not in BASELINES:
+        raise UsageError(f"--baseline {cfg.baseline!r}: use one of {', '.join(BASELINES)}")
+    topology, variant = BASELINES[cfg.baseline] if cfg.baseline else (cfg.topology, cfg.prompt)
     roles = parse_topology(topology)
-    paths = {r: (getattr(cfg, r, "") if r in ("generator", "verifier", "refiner") else "") or cfg.model
-             for r in roles}
+    paths = {r: (getattr(cfg, r) if r in ("generator", "verifier", "refiner") else "") or cfg.model for r in roles}
     trained = [r[0].upper() for r in ("verifier", "refiner") if r in roles and paths[r] != cfg.model]
     label = cfg.label or cfg.baseline or ("+".join(trained) if trained else "base") + f" [{','.join(roles)}]"
     return roles, {r: variant for r in roles}, paths, label
 
 
 def format_table(reports):
-    """Metrics as rows, configurations as columns: value [95% interval]."""
-    labels = [r["label"] for r in reports]
-    width = max(24, *(len(x) + 2 for x in labels))
-    lines = ["metric".ljust(22) + "".join(x.rjust(width) for x in labels)]
-    for key in METRIC_KEYS:
-        cells = []
-        for r in reports:
-            v, ci = r["metrics"].get(key), (r.get("ci95") or {}).get(key)
-            cells.append("-" if v is None else f"{v:.3f}" + (f" [{ci[0]:.2f},{ci[1]:.2f}]" if ci else ""))
-        lines.append(key.ljust(22) + "".join(c.rjust(width) for c in cells))
-    lines.append("cases x samples".ljust(22) + "".join(
-        f"{r['metrics']['num_cases']} x {r['metrics']['num_samples'] // max(1, r['metrics']['num_cases'])}".rjust(width)
-        for r in reports))
-    lines.append("judge protocol".ljust(22) + "".join(r.get("judge_protocol", "-").rjust(width) for r in reports))
-    return "\n".join(lines)
+    """Metrics as rows, configurations as columns: value [95% interval]; then sizes and the judge protocol."""
+    width = max(24, *(len(r["label"]) + 2 for r in reports))
+    cell = lambda v, ci: "-" if v is None else f"{v:.3f}" + (f" [{ci[0]:.2f},{ci[1]:.2f}]" if ci else "")  # noqa: E731
+    rows = [("metric", [r["label"] for r in reports])] + [
+        (key, [cell(r["metrics"].get(key), (r.get("ci95") or {}).get(key)) for r in reports]) for key in METRIC_KEYS] + [
+        ("cases x samples", [f"{r['metrics']['num_cases']} x {r['metrics']['num_samples'] // max(1, r['metrics']['num_cases'])}"
+                             for r in reports]), ("judge protocol", [r.get("judge_protocol", "-") for r in reports])]
+    return "\n".join(name.ljust(22) + "".join(c.rjust(width) for c in cells) for name, cells in rows)
 
 
 def load_report(path):
@@ -1885,8 +1830,8 @@ def plot_tradeoff(reports, path):
     if not reports:
         raise UsageError("--plot draws PrivacyLens reports; none was given")
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    panels = (("privacy_avg", "helpfulness_avg", "Avg", "Avg"), ("privacy_leak_at_k", "helpfulness_bin", "leak@K", "Bin"))
-    for ax, (x, y, x_name, y_name) in zip(axes, panels):
+    for ax, (x, y, x_name, y_name) in zip(axes, (("privacy_avg", "helpfulness_avg", "Avg", "Avg"),
+                                                 ("privacy_leak_at_k", "helpfulness_bin", "leak@K", "Bin"))):
         points = [(r["metrics"][x], r["metrics"][y]) for r in reports]
         for (px, py), r in zip(points, reports):
             ci = r.get("ci95") or {}

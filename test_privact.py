@@ -5,7 +5,6 @@ SmolLM2 model (part of the default run).
     pytest -q test_privact.py                       # everything
     pytest -q test_privact.py -k "not embedded"     # skip the SmolLM2 run
 """
-import contextlib
 import json
 import math
 import os
