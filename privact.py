@@ -1861,30 +1861,26 @@ def confaide_blocks(path):
     """[(BEGIN line number, header fields, body lines with their newlines, END extra fields, END
     line number)] of a ConfAIde tier file: `<BEGIN><header>`, body, `<END><header>[<extra>]`."""
     try:
-        with open(path) as fh:
-            lines = fh.read().splitlines(keepends=True)
+        lines = open(path).read().splitlines(keepends=True)
     except OSError as e:
         raise UsageError(f"{path}: cannot read ({e.strerror})")
-    blocks, open_block = [], None  # open_block: (line number, "<header>", body lines)
-    for n, line in enumerate(lines, 1):
+    blocks, start, header, body = [], None, "", []
+    for n, line in enumerate(lines + ["<BEGIN>"], 1):  # a sentinel: an unclosed last block fails like any other
         text = line.strip()
+        if text.startswith("<BEGIN>") and start:
+            raise UsageError(f"{path}: line {start}: <BEGIN> without an <END>")
+        if text.startswith("<END>") and not start:
+            raise UsageError(f"{path}: line {n}: <END> without a <BEGIN>")
         if text.startswith("<BEGIN>"):
-            if open_block:
-                raise UsageError(f"{path}: line {open_block[0]}: <BEGIN> without an <END>")
-            open_block = (n, text[len("<BEGIN>"):], [])
+            start, header, body = n, text[len("<BEGIN>"):], []
         elif text.startswith("<END>"):
-            if not open_block:
-                raise UsageError(f"{path}: line {n}: <END> without a <BEGIN>")
-            start, header, body = open_block
             extra = text[len("<END>") + len(header):]
             if not text.startswith("<END>" + header) or extra[:1] not in ("", "<"):
                 raise UsageError(f"{path}: line {n}: the <END> header differs from the <BEGIN> header of line {start}")
             blocks.append((start, header[1:-1].split(","), body, extra[1:-1].split(",") if extra else [], n))
-            open_block = None
-        elif open_block:
-            open_block[2].append(line)
-    if open_block:
-        raise UsageError(f"{path}: line {open_block[0]}: <BEGIN> without an <END>")
+            start = None
+        elif start:
+            body.append(line)
     return blocks
 
 

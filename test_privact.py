@@ -1405,9 +1405,46 @@ def test_bench_gpu_tiny_mode(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert 0 < result["collect_tokens_per_case"]["generated_tokens"] <= 84 * 4  # 4 + 16 + 64 outputs of <= 4 tokens
     assert result["collect_tokens_per_case"]["judge_tokens"] > 0  # every leaf was judged
+    for stage in ("collect", "eval"):  # a warm-up case apart, then the steady state over 2 chunks, recompiles counted
+        figures = result[stage]
+        assert figures["warmup_seconds"] > 0 and figures["steady_seconds_per_case"] > 0 and figures["steady_tokens_per_s"] > 0
+        assert len(figures["chunks"]) >= 2 and figures["steady_cases"] == 2 and figures["recompiles_after_warmup"] >= 0
+    assert set(result["decode_ms_per_step"]) == {"2", "4"}
+    assert all(d["privact_ms"] > 0 and d["plain_generate_ms"] > 0 and d["bandwidth_floor_ms"] > 0 for d in result["decode_ms_per_step"].values())
+    peers = result["peers"]
+    assert peers["plain_generate_per_node_seconds_per_case"] > 0 and peers["generate_batch_seconds_per_case"] > 0, peers
+    assert peers["plain_generate_per_node_over_privact"] > 0 and peers["generate_batch_over_privact"] > 0
     assert result["eval_seconds_per_case"] > 0 and result["dpo_pairs_per_s"] > 0 and result["dpo_peak_memory_gib"] > 0
     assert set(result["hours"]) == {"collect_394_cases", "eval_99_cases_per_configuration",
                                     "train_verifier_5000_pairs_12_epochs", "train_refiner_5000_pairs_4_epochs"}
+
+
+def code_lines(text, doc_lines=frozenset()):
+    return [i for i, line in enumerate(text.splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#") and i not in doc_lines]
+
+
+def test_privact_py_reads_as_the_paper_then_the_machinery():
+    """Part 1 (the paper) ends at the Part 2 banner, holds <= 600 code lines (no blanks, comments or
+    docstrings) and the method's sections in the paper's order; every function stays under 50 lines."""
+    import ast
+    src = (HERE / "privact.py").read_text()
+    tree = ast.parse(src)
+    docs = {i for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)
+            and isinstance(n.body[0].value.value, str) for i in range(n.body[0].lineno, n.body[0].end_lineno + 1)}
+    lines = src.splitlines()
+    banner = next(i for i, line in enumerate(lines, 1) if line.startswith("# PART 2: THE MACHINERY. A reader of the method may stop here"))
+    part1 = [i for i in code_lines(src, docs) if i < banner]
+    assert len(part1) <= 600, f"Part 1 has {len(part1)} code lines"
+    sections = ["# Data:", "# Prompts:", "# 3.2.1 ", "# The judge", "# 3.3 ", "# 3.2.2 ", "# DPO", "# 4.2 ", "# Zero-shot", "# The three"]
+    at = [next(i for i, line in enumerate(lines[:banner]) if line.startswith(s)) for s in sections]
+    assert at == sorted(at)
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert all(defs[name].lineno < banner for name in ("lcars_reward", "propagate_values", "build_pairs", "dpo_loss",
+                                                         "eval_metrics", "judge_chats", "cmd_collect", "cmd_train", "cmd_eval"))
+    assert all(defs[name].lineno > banner for name in ("generate_batched", "run_stage", "train_loop", "plot_tradeoff", "main"))
+    assert max(n.end_lineno - n.lineno + 1 for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)) < 50
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,20 +1,30 @@
 """GPU cost of a paper-scale reproduction, measured on randomly initialised models of the paper's
-shapes (nothing comes from the hub; the tokenizer is the embedded SmolLM2 one).
+shapes (nothing comes from the hub; the tokenizer is a saved SmolLM2 one, --tokenizer, or the
+embedded GGUF's).
 
 - policy: Llama-3.2-1B-Instruct's exact architecture; judge: Mistral-7B-Instruct-v0.2's. Token ids
   from the 49,152-token SmolLM2 tokenizer are taken modulo a model's vocabulary on the way in.
-- collect: seconds per case at the paper's settings (4,4,4, up to 1000 new tokens per agent
-  output, judge up to 256, PrivacyLens protocol), through privact.rollout_chunk, the function `collect` runs. Random
-  weights rarely stop early and never write a parseable action, so every leaf is treated as a
-  valid action (its output as the judged action) and judged: the worst case on both counts.
+- collect: the paper's settings (4,4,4, up to 1000 new tokens per agent output, judge up to 256,
+  PrivacyLens protocol) through privact.rollout_chunk, the function `collect` runs. Random weights
+  never write a parseable action, so every leaf is judged (its output as the action): the worst
+  case. One warm-up case first (compiles, graph captures), reported apart; then the steady state
+  over --cases cases in chunks of --chunk-cases (at least 2 chunks, so prompt widths change), with
+  tokens/s and the torch.compile recompiles counted during it (dynamo's counters).
+- eval: the same at K = 10 (branching 10,1,1, then the judge) on test cases.
+- decode: ms per decoding step at --rows rows of --decode-prompt-tokens tokens, privact's engine
+  (shared prefill into a static cache) beside plain `generate`, and the share of the card's memory
+  bandwidth a step would need at its weights + KV bytes (--peak-bandwidth).
+- peers: on the same trees (--peer-cases cases), one plain `generate(num_return_sequences=B)` per
+  tree node and per judge prompt (the straightforward loop), and transformers' continuous-batching
+  engine `generate_batch`, level by level; seconds per case beside privact's.
 - train: DPO pairs/s and peak GPU memory at 8 pairs x max length 4096 per micro-batch, bf16
-  autocast and gradient checkpointing, through `privact.py train` itself.
-- eval: seconds per case at K = 10 (branching 10,1,1, then the judge).
+  autocast and gradient checkpointing, through `privact.py train` itself (TRL's DPOTrainer on the
+  same pairs: benchmarks/bench_train.py).
 It prints each figure and the hours they imply (394-case collect, two trainings, a 99-case eval);
 the last line is a JSON object with all of them.
 
-    python benchmarks/bench_gpu.py            # on a GPU (about 10 minutes on one H100-class card)
-    python benchmarks/bench_gpu.py --tiny     # seconds on a CPU: tiny shapes, tiny budgets (the tests run this)
+    python benchmarks/bench_gpu.py --tokenizer smollm2_tokenizer   # on a GPU
+    python benchmarks/bench_gpu.py --tiny                          # a CPU: tiny shapes and budgets (the tests run this)
 """
 import argparse
 import contextlib
@@ -69,17 +79,137 @@ def random_model(shape, tok, dtype, device):
     return model.eval()
 
 
-def seconds_per_case(cases, branching, models, args, budget):
-    roles = privact.parse_topology("generator,verifier,refiner")
+ROLES = ("generator", "verifier", "refiner")
+
+
+def compiled_graphs():
+    """torch.compile's count of graphs compiled so far in this process (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+    return sum(counters["stats"].values()) and int(counters["stats"]["unique_graphs"])
+
+
+def timed_chunk(cases, branching, models, args, budget):
+    """One privact.rollout_chunk -> (seconds, records)."""
     cfg = argparse.Namespace(max_new_tokens=budget, judge_max_new_tokens=args.judge_tokens,
                              batch_size=args.batch_size, temperature=1.0, judge_protocol="privacylens")
-    privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
     sync()
     start = time.perf_counter()
-    records = privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
+    records = privact.rollout_chunk(cases, list(ROLES), branching, models, {r: "naive" for r in ROLES}, cfg)
     sync()
-    seconds = (time.perf_counter() - start) / len(cases)
-    return seconds, {k: round(sum(r[k] for r in records) / len(records)) for k in ("generated_tokens", "judge_tokens")}
+    return time.perf_counter() - start, records
+
+
+def run_figures(cases, branching, models, args, budget):
+    """Warm-up on the first case, then the steady state over the rest in chunks of --chunk-cases."""
+    torch.manual_seed(0)
+    warmup, _ = timed_chunk(cases[:1], branching, models, args, budget)
+    before, seconds, records, chunks = compiled_graphs(), 0.0, [], []
+    for first in range(1, len(cases), args.chunk_cases):
+        chunk = cases[first:first + args.chunk_cases]
+        t, recs = timed_chunk(chunk, branching, models, args, budget)
+        seconds, records = seconds + t, records + recs
+        chunks.append({"cases": len(chunk), "seconds": round(t, 2)})
+    tokens = {k: round(sum(r[k] for r in records) / len(records)) for k in ("generated_tokens", "judge_tokens")}
+    return {"warmup_seconds": round(warmup, 2), "steady_seconds_per_case": round(seconds / len(records), 3),
+            "steady_tokens_per_s": round(sum(tokens.values()) * len(records) / seconds, 1), "steady_cases": len(records),
+            "chunks": chunks, "recompiles_after_warmup": compiled_graphs() - before, "tokens_per_case": tokens}, records
+
+
+def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
+    """ms per decoding step at `rows` distinct prompts: two greedy runs of different lengths, so prefill cancels."""
+    from transformers import GenerationConfig
+    gen = lambda n: GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
+                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    seqs = [[3 + (r * 7919 + i * 104729) % 30000 for i in range(prompt_tokens)] for r in range(rows)]
+    times = []
+    for n in (8, 8 + steps):
+        sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if plain:
+                ids = torch.tensor(seqs, device=model.device)
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen(n))
+            else:
+                privact.generate_shared_prefix(model, seqs, list(range(rows)), tok.pad_token_id, gen(n), 1)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1000 * (times[1] - times[0]) / steps
+
+
+def step_bytes(model, rows, length):
+    """Bytes a decoding step reads at least: every weight once, and each row's KV cache."""
+    c = model.config
+    kv = 2 * c.num_hidden_layers * c.num_key_value_heads * getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + rows * length * kv * 2
+
+
+def plain_loop(records, cases, models, args, budget):
+    """The straightforward loop on privact's trees: one generate(num_return_sequences=B) per node, one per judge prompt."""
+    from transformers import GenerationConfig
+    for rec, case in zip(records, cases):
+        frontier = [privact.node_from_dict(rec["tree"])]
+        for role, width in zip(ROLES, (4, 4, 4)):
+            model, tok = models[role]
+            for node in frontier:
+                ids = torch.tensor([tok(privact.chat_text(tok, node.children[0].prompt), add_special_tokens=False)["input_ids"]],
+                                   device=model.device)
+                gen = GenerationConfig(max_new_tokens=budget, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                       num_return_sequences=width, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                with torch.inference_mode():
+                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            frontier = [c for node in frontier for c in node.children]
+        judge, jtok = models["judge"]
+        for leaf, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
+            for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), "privacylens"):
+                ids = torch.tensor([jtok(privact.chat_text(jtok, chat), add_special_tokens=False)["input_ids"]], device=judge.device)
+                gen = GenerationConfig(max_new_tokens=args.judge_tokens, do_sample=False, stop_strings="\n\n---",
+                                       pad_token_id=jtok.pad_token_id, eos_token_id=jtok.eos_token_id)
+                with torch.inference_mode():
+                    judge.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=jtok)
+
+
+def cb_config(args):
+    """generate_batch's own sizing (its KV pages from the free memory) on a GPU; a small cache for --tiny."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=512) if args.tiny else None
+
+
+def batch_engine_loop(records, cases, models, args, budget):
+    """transformers' continuous batching (generate_batch) on privact's trees, level by level; the judge
+    prompts in one call (it takes no custom logits processor or stop string: the judge runs to its budget)."""
+    from transformers import GenerationConfig
+    roots = [privact.node_from_dict(rec["tree"]) for rec in records]
+    frontier = roots
+    for role, width in zip(ROLES, (4, 4, 4)):
+        model, tok = models[role]
+        inputs = [tok(privact.chat_text(tok, n.children[0].prompt), add_special_tokens=False)["input_ids"] for n in frontier]
+        model.generate_batch(inputs=inputs, warmup=torch.cuda.is_available(), continuous_batching_config=cb_config(args),
+                             generation_config=GenerationConfig(
+            max_new_tokens=budget, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=width,
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+        frontier = [c for n in frontier for c in n.children]
+    judge, jtok = models["judge"]
+    chats = [chat for root, case in zip(roots, cases) for leaf, path in privact.leaves_with_paths(root)
+             for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), "privacylens")]
+    judge.generate_batch(warmup=torch.cuda.is_available(), continuous_batching_config=cb_config(args), inputs=[jtok(privact.chat_text(jtok, c), add_special_tokens=False)["input_ids"] for c in chats],
+                         generation_config=GenerationConfig(max_new_tokens=args.judge_tokens, do_sample=False,
+                                                            pad_token_id=jtok.pad_token_id, eos_token_id=jtok.eos_token_id))
+
+
+def peer_figures(records, cases, models, args, budget, privact_s):
+    """Seconds per case of the plain loop and of generate_batch on the same trees, and privact's ratio to each."""
+    out = {"privact_seconds_per_case": round(privact_s, 3)}
+    for name, loop in (("plain_generate_per_node", plain_loop), ("generate_batch", batch_engine_loop)):
+        try:
+            sync()
+            start = time.perf_counter()
+            loop(records, cases, models, args, budget)
+            sync()
+            out[f"{name}_seconds_per_case"] = round((time.perf_counter() - start) / len(cases), 3)
+            out[f"{name}_over_privact"] = round(out[f"{name}_seconds_per_case"] / privact_s, 2)
+        except Exception as e:  # a peer that fails here is reported, not fatal
+            out[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return out
 
 
 def dpo_figures(policy_shape, tok, args, folder):
@@ -113,13 +243,20 @@ def sync():
         torch.cuda.synchronize()
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and budgets, for a CPU (what the tests run)")
-    ap.add_argument("--cases", type=int, default=1, help="train cases timed for collect, test cases for eval")
+    ap.add_argument("--tokenizer", default="", help="a saved SmolLM2 tokenizer folder (default: the embedded GGUF's)")
+    ap.add_argument("--cases", type=int, default=8, help="steady-state cases timed for collect and for eval (after 1 warm-up)")
+    ap.add_argument("--chunk-cases", type=int, default=4, help="cases per rollout chunk (collect's --chunk-cases)")
+    ap.add_argument("--peer-cases", type=int, default=1, help="cases the peers (plain generate, generate_batch) replay")
     ap.add_argument("--max-new-tokens", type=int, default=1000, help="agent output budget (paper: 1000)")
-    ap.add_argument("--judge-tokens", type=int, default=256, help="judge output budget (paper: 256)")
+    ap.add_argument("--judge-tokens", type=int, default=256, help="judge output budget")
     ap.add_argument("--batch-size", type=int, default=64, help="sequences per generate call")
+    ap.add_argument("--rows", default="4,16,64", help="rows for the decode ms/step figures")
+    ap.add_argument("--decode-prompt-tokens", type=int, default=1900, help="prompt tokens per row for the decode figures")
+    ap.add_argument("--decode-steps", type=int, default=64, help="decoding steps timed per decode figure")
+    ap.add_argument("--peak-bandwidth", type=float, default=4.8e12, help="the card's memory bandwidth, bytes/s (H200: 4.8e12)")
     ap.add_argument("--max-length", type=int, default=4096, help="DPO prompt + response tokens per pair")
     ap.add_argument("--response-tokens", type=int, default=300, help="DPO tokens per response")
     ap.add_argument("--batch-size-train", type=int, default=8, help="DPO pairs per micro-batch (paper: 8)")
@@ -127,37 +264,60 @@ def main():
     ap.add_argument("--pairs", type=int, default=5000, help="pairs per role assumed for the training hours")
     args = ap.parse_args()
     if args.tiny:
-        args.max_new_tokens, args.judge_tokens, args.batch_size = 4, 4, 16
+        args.max_new_tokens, args.judge_tokens, args.batch_size, args.cases, args.chunk_cases = 4, 4, 16, 2, 1
+        args.rows, args.decode_prompt_tokens, args.decode_steps = "2,4", 16, 4
         args.max_length, args.response_tokens, args.batch_size_train, args.train_steps = 96, 16, 2, 1
+    return args
+
+
+def generation_figures(models, tok, args):
+    """collect, eval, decode and peers -> one dict of figures (printed as they come)."""
+    same_tool = lambda cases: [c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]]  # noqa: E731
+    privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
+    collect, records = run_figures(same_tool(privact.load_cases("", "train"))[:args.cases + 1], [4, 4, 4], models, args, args.max_new_tokens)
+    print(f"collect: warm-up {collect['warmup_seconds']} s, then {collect['steady_seconds_per_case']} s per case "
+          f"({collect['recompiles_after_warmup']} recompiles)", flush=True)
+    evaluation, _ = run_figures(same_tool(privact.load_cases("", "test"))[:args.cases + 1], [10, 1, 1], models, args, args.max_new_tokens)
+    print(f"eval:    warm-up {evaluation['warmup_seconds']} s, then {evaluation['steady_seconds_per_case']} s per case", flush=True)
+    policy = models["generator"][0]
+    decode = {}
+    for rows in map(int, args.rows.split(",")):
+        ours, plain = (decode_ms_per_step(policy, tok, rows, args.decode_prompt_tokens, args.decode_steps, p) for p in (False, True))
+        floor = 1000 * step_bytes(policy, rows, args.decode_prompt_tokens + 8 + args.decode_steps) / args.peak_bandwidth
+        decode[str(rows)] = {"privact_ms": round(ours, 2), "plain_generate_ms": round(plain, 2), "bandwidth_floor_ms": round(floor, 3),
+                             "share_of_bandwidth": round(floor / ours, 3)}
+        print(f"decode:  {rows} rows: privact {ours:.1f} ms/step, plain generate {plain:.1f} (bandwidth floor {floor:.2f})", flush=True)
+    by_name = {c["name"]: c for c in privact.load_cases("", "train")}
+    peer_records = records[:args.peer_cases]  # steady-state trees: the peers replay their prompts
+    peers = peer_figures(peer_records, [by_name[r["case"]] for r in peer_records], models, args, args.max_new_tokens,
+                         collect["steady_seconds_per_case"])
+    print(f"peers:   {peers}", flush=True)
+    return {"collect": collect, "eval": evaluation, "decode_ms_per_step": decode, "peers": peers}
+
+
+def main():
+    args = parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    folder, gguf = privact.embedded_model_folder("smollm2")
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    folder, gguf = (args.tokenizer, None) if args.tokenizer else privact.embedded_model_folder("smollm2")
+    tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     policy_shape, judge_shape = (TINY_POLICY, TINY_JUDGE) if args.tiny else (LLAMA_3_2_1B, MISTRAL_7B_V0_2)
     policy = random_model(policy_shape, tok, torch.bfloat16, device)
-    judge = random_model(judge_shape, tok, torch.bfloat16, device)
-    models = {"generator": (policy, tok), "verifier": (policy, tok), "refiner": (policy, tok), "judge": (judge, tok)}
-    same_tool = lambda cases: [c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]]  # noqa: E731
-    train_cases = same_tool(privact.load_cases("", "train"))[:args.cases]
-    test_cases = same_tool(privact.load_cases("", "test"))[:args.cases]
-    torch.manual_seed(0)
-    collect_s, collect_tokens = seconds_per_case(train_cases, [4, 4, 4], models, args, args.max_new_tokens)
-    print(f"collect: {collect_s:.1f} s per case at 4,4,4 ({collect_tokens})", flush=True)
-    eval_s, _ = seconds_per_case(test_cases, [10, 1, 1], models, args, args.max_new_tokens)
-    print(f"eval:    {eval_s:.1f} s per case at K = 10", flush=True)
-    del models, policy, judge
+    models = {**{r: (policy, tok) for r in ROLES}, "judge": (random_model(judge_shape, tok, torch.bfloat16, device), tok)}
+    figures = generation_figures(models, tok, args)
+    del models, policy
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
         pairs_s, peak_gib = dpo_figures(policy_shape, tok, args, tmp)
     print(f"train:   {pairs_s:.2f} pairs/s, peak {'GPU' if device == 'cuda' else 'RSS'} memory {peak_gib:.1f} GiB "
           f"(batch {args.batch_size_train} x {args.max_length} tokens, bf16 autocast, checkpointing)", flush=True)
+    collect_s, eval_s = figures["collect"]["steady_seconds_per_case"], figures["eval"]["steady_seconds_per_case"]
     hours = {"collect_394_cases": collect_s * TRAIN_CASES / 3600, "eval_99_cases_per_configuration": eval_s * TEST_CASES / 3600,
              **{f"train_{role}_{args.pairs}_pairs_{n}_epochs": args.pairs * n / pairs_s / 3600 for role, n in EPOCHS.items()}}
     for name, h in hours.items():
         print(f"  {name}: {h:.2f} h")
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(json.dumps({"bench": "gpu", "device": device_name, "args": vars(args),
-                      "collect_seconds_per_case": round(collect_s, 2), "collect_tokens_per_case": collect_tokens,
-                      "eval_seconds_per_case": round(eval_s, 2), "dpo_pairs_per_s": round(pairs_s, 3),
+    print(json.dumps({"bench": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args),
+                      **figures, "collect_seconds_per_case": collect_s, "eval_seconds_per_case": eval_s,
+                      "collect_tokens_per_case": figures["collect"]["tokens_per_case"], "dpo_pairs_per_s": round(pairs_s, 3),
                       "dpo_peak_memory_gib": round(peak_gib, 2), "hours": {k: round(v, 3) for k, v in hours.items()}}))
 
 
