@@ -192,20 +192,17 @@ REQUIRED_TRAJECTORY_FIELDS = ("user_name", "user_email", "user_instruction", "to
 
 def validate_case(case, index, path):
     """PrivacyLens schema: name + trajectory.{user_name, ..., sensitive_info_items}."""
-    where = f"{path}: case {case.get('name', f'#{index}') if isinstance(case, dict) else f'#{index}'}"
-    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
-        raise UsageError(f"{where}: missing field 'name'")
-    traj = case.get("trajectory")
-    if not isinstance(traj, dict):
-        raise UsageError(f"{where}: missing field 'trajectory'")
-    for key in REQUIRED_TRAJECTORY_FIELDS:
-        if key not in traj or traj[key] in (None, ""):
-            raise UsageError(f"{where}: missing field 'trajectory.{key}'")
+    named = isinstance(case, dict) and isinstance(case.get("name"), str)
+    where, traj = f"{path}: case {case['name'] if named else f'#{index}'}", case.get("trajectory") if named else None
+    if not named or not isinstance(traj, dict):
+        raise UsageError(f"{where}: missing field '{'trajectory' if named else 'name'}'")
+    missing = [key for key in REQUIRED_TRAJECTORY_FIELDS if traj.get(key) in (None, "")]
+    if missing:
+        raise UsageError(f"{where}: missing field 'trajectory.{missing[0]}'")
     if not isinstance(traj["sensitive_info_items"], list) or not traj["sensitive_info_items"]:
         raise UsageError(f"{where}: field 'trajectory.sensitive_info_items' is empty")
     if traj["final_action"] not in P.FINAL_TOOLS:
-        raise UsageError(f"{where}: field 'trajectory.final_action' is {traj['final_action']!r}, "
-                         f"not one of {sorted(P.FINAL_TOOLS)}")
+        raise UsageError(f"{where}: field 'trajectory.final_action' is {traj['final_action']!r}, not one of {sorted(P.FINAL_TOOLS)}")
 
 
 def split_indices(n, split):
@@ -345,22 +342,14 @@ def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batc
 ACTION_RE = re.compile(r"Action:\s*`?([A-Za-z_][A-Za-z0-9_]*)")
 
 
-INPUT_RE = re.compile(r"Action Input:")
-
-
 def extract_action(text):
     """(tool, input dict) from the last `Action:` and the JSON object after its `Action Input:`;
     None when either is missing or the JSON does not parse to an object."""
-    matches = list(ACTION_RE.finditer(text or ""))
-    if not matches:
-        return None
-    last = matches[-1]
-    inp = INPUT_RE.search(text, last.end())
-    brace = text.find("{", inp.end()) if inp else -1
-    if brace < 0:
-        return None
+    last = ([None] + list(ACTION_RE.finditer(text or "")))[-1]
+    start = text.find("Action Input:", last.end()) if last else -1
+    brace = text.find("{", start) if start >= 0 else -1
     try:
-        obj, _ = json.JSONDecoder().raw_decode(text[brace:])
+        obj = json.JSONDecoder().raw_decode(text[brace:])[0] if brace >= 0 else None
     except json.JSONDecodeError:
         return None
     return (last.group(1), obj) if isinstance(obj, dict) else None
@@ -884,12 +873,10 @@ def load_model(name_or_path, dtype=torch.float32, device=None):
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kw)
     except (OSError, ValueError) as e:
         raise UsageError(f"model {name_or_path!r}: could not load ({str(e).splitlines()[0][:200]})")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     if not tok.chat_template:
         raise UsageError(f"model {name_or_path!r}: the tokenizer has no chat template")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tok
+    tok.pad_token = tok.pad_token or tok.eos_token
+    return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval(), tok
 
 
 def stop_token_ids(model, tok):
@@ -1205,11 +1192,6 @@ def check_run_config(path, gen_flags):
             raise UsageError(f"{path}: this run was made with {key}={old.get(key)!r}, not {value!r}; use a new run folder")
 
 
-def process_state():
-    """This process's place among those `accelerate launch` or torchrun started (1 of 1 alone)."""
-    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-
-
 def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
     """Compute the records missing from `done` ({key: record}) chunk by chunk on all processes
     -> {key: record} (main process) or None. Chunk g = keys of chunks[g] reseeds with (seed, g) and is appended in
@@ -1246,17 +1228,16 @@ def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
     """What collect and both evals share: refuse a resume with other generation flags, plan the
     chunks (a chunk is unfinished while one of its keys has no record), load the models this
     process needs (each distinct path once; none when its share is done), record the flags,
-    run. work(models, keys) -> records. Returns {key: record} on the main process, else None."""
-    state = process_state()
+    run. work(models, keys) -> records. Returns {key: record} on the main process, else None.
+    The process's place among those `accelerate launch` or torchrun started is accelerate's."""
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     os.makedirs(out, exist_ok=True)
     check_run_config(os.path.join(out, "config.json"), flags)
     done = read_rollouts(out)
     chunks = [keys[i:i + cfg.chunk_cases] for i in range(0, len(keys), cfg.chunk_cases)]
     todo = [g for g, chunk in enumerate(chunks) if any(k not in done for k in chunk)]
-    loaded = {}
-    if todo[state.process_index::state.num_processes]:
-        for path in dict.fromkeys(model_paths.values()):
-            loaded[path] = load_model(path, getattr(torch, dtype), state.device)
+    loaded = {path: load_model(path, getattr(torch, dtype), state.device) for path in dict.fromkeys(model_paths.values())
+              if todo[state.process_index::state.num_processes]}
     if state.is_main_process:
         write_json(os.path.join(out, "config.json"), flags)
     models = {role: loaded.get(path) for role, path in model_paths.items()}
@@ -1914,14 +1895,10 @@ def confaide_items(path, tier):
 
 
 def load_confaide(source, tiers, num_cases):
-    """{"tier3/17": (tier, index, item)}: the first num_cases items of each tier's file."""
+    """{"tier3/17": (tier, index, item)}: the first num_cases items of each tier's file (all when 0)."""
     folder = source or os.path.join(HERE, "data", "confaide")
-    items = {}
-    for tier in tiers:
-        found = confaide_items(os.path.join(folder, f"tier_{tier}.txt"), tier)
-        for i, item in enumerate(found[:num_cases] if num_cases > 0 else found):
-            items[f"tier{tier}/{i}"] = (tier, i, item)
-    return items
+    return {f"tier{tier}/{i}": (tier, i, item) for tier in tiers for i, item in
+            enumerate(confaide_items(os.path.join(folder, f"tier_{tier}.txt"), tier)[:num_cases if num_cases > 0 else None])}
 
 
 def confaide_chunk(items, model, tok, cfg):
