@@ -729,8 +729,8 @@ CONFAIDE_COLUMNS = ("FR-E", "IA-E", "IA-Y", "IA-Z", "PS-E", "PS-Y", "PS-Z", "MS-
 
 def confaide_prompts(tier, item):
     """{task: the user message} for one scenario (tier 3) or meeting (tier 4)."""
-    fill = {**item, "secret": item.get("secret", "").lower()}
-    return {task: P.CONFAIDE_PROMPTS[task].format(**fill) for task in CONFAIDE_TASKS[tier]}
+    values = {**item, "secret": item.get("secret", "").lower()}
+    return {task: P.CONFAIDE_PROMPTS[task].format(**values) for task in CONFAIDE_TASKS[tier]}
 
 
 def confaide_errors(task, item, text):
@@ -895,9 +895,11 @@ def prefix_groups(token_ids):
     for i in sorted(range(len(token_ids)), key=lambda i: token_ids[i]):
         common = len(os.path.commonprefix([token_ids[groups[-1][0]], token_ids[i]])) if groups else 0
         if groups and common >= max(16, shared // 2):
-            groups[-1], shared = groups[-1] + [i], min(shared, common)
+            groups[-1].append(i)
+            shared = min(shared, common)
         else:
-            groups, shared = groups + [[i]], len(token_ids[i])
+            groups.append([i])
+            shared = len(token_ids[i])
     return sorted(groups, key=lambda g: -max(len(token_ids[i]) for i in g))
 
 
@@ -1359,9 +1361,12 @@ def parse_taus(text, roles):
     """'verifier=0.5,refiner=0.5' -> {role: tau} for roles of the topology."""
     taus = {}
     for role, _, value in (p.strip().partition("=") for p in text.split(",") if p.strip()):
-        if role not in roles or not re.fullmatch(r"-?\d+(\.\d*)?|-?\.\d+", value.strip()):
+        try:
+            taus[role] = float(value) if role in roles else float("nan")
+        except ValueError:
+            taus[role] = float("nan")
+        if math.isnan(taus[role]):
             raise UsageError(f"--tau {text!r}: expected role=number for roles of the topology {','.join(roles)}")
-        taus[role] = float(value)
     return taus
 
 

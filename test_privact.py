@@ -377,6 +377,18 @@ def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
         privact.load_model("smollm2")
 
 
+def test_tau_and_branching_flags():
+    roles = ["generator", "verifier", "refiner"]
+    assert privact.parse_taus("verifier=1e-3, refiner=-.5", roles) == {"verifier": 0.001, "refiner": -0.5}
+    assert privact.parse_branching("4,4,4", roles) == [4, 4, 4]
+    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier"):
+        with pytest.raises(privact.UsageError, match="role=number"):
+            privact.parse_taus(bad, roles)
+    for bad in ("4,4", "4,x,4", "4,0,4", "4,4,4,4"):
+        with pytest.raises(privact.UsageError, match="one positive integer width per role"):
+            privact.parse_branching(bad, roles)
+
+
 def test_help_documents_every_flag(capsys):
     for cmd, (cls, _, _) in privact.COMMANDS.items():
         with pytest.raises(SystemExit):
