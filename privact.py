@@ -494,7 +494,7 @@ def is_unparsed(judgment):
 
 def rollout_chunk(cases, roles, branching, models, variants, cfg):
     """Roll out and judge a chunk of cases -> one rollouts.jsonl record per case: {"case",
-    "tree" (node_to_dict), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
+    "tree" (dataclasses.asdict of its root Node), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
     "prompt_tokens_plain", "seconds"}; the counts are the chunk's, split evenly among its cases."""
     start, stats = time.time(), {}
     roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size,
@@ -502,7 +502,7 @@ def rollout_chunk(cases, roles, branching, models, variants, cfg):
     leaves = [(leaf, case, path) for root, case in zip(roots, cases) for leaf, path in leaves_with_paths(root)]
     n_judge = judge_leaves(leaves, models["judge"], cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)
     counts = {"generated_tokens": n_gen, "judge_tokens": n_judge, **stats, "seconds": time.time() - start}
-    return [{"case": c["name"], "tree": node_to_dict(r), **{k: round(v / len(cases), 1) for k, v in counts.items()}}
+    return [{"case": c["name"], "tree": dataclasses.asdict(r), **{k: round(v / len(cases), 1) for k, v in counts.items()}}
             for r, c in zip(roots, cases)]
 
 
@@ -771,7 +771,9 @@ def confaide_metrics(cases, resamples=1000, seed=0):
 
 def cmd_collect(cfg):
     """Paper 3.2: a judged rollout tree per train case (3.2.1), LC-ARS rewards (3.3), values and pairs (3.2.2)."""
-    cfg, roles, branching, taus = check_collect_flags(cfg)
+    cfg = check_rollout_flags(cfg)
+    roles = parse_topology(cfg.topology)
+    branching, taus = parse_branching(cfg.branching, roles), parse_taus(cfg.tau, roles)
     reward_kw = {"b1": cfg.b1, "b2": cfg.b2, "alpha": cfg.alpha, "beta": cfg.beta}
     split = {c["name"]: c for c in load_cases(cfg.data, cfg.split)}
     variants, paths = {r: cfg.prompt for r in roles}, {**{r: cfg.model for r in roles}, "judge": cfg.judge_model or cfg.model}
@@ -958,44 +960,14 @@ def generate_shared_prefix(model, seqs, group_of, pad_id, gen, num_return, proce
     Two more costs of a plain `generate(num_return_sequences=B)` are avoided: it copies each
     prompt B times before prefill, and its DynamicCache re-concatenates the whole KV cache at
     every step (81% of a decode step for 16 sequences of 1.7k tokens on an AMX CPU). Here the
-    prefilled KV is copied B times into a preallocated StaticCache that decoding writes in place.
+    prefilled KV is copied B times in a preallocated StaticCache that decoding writes in place.
     """
     ids, mask, cache, n_prefilled = prefill_shared(model, seqs, group_of, pad_id, gen.max_new_tokens)
-    n, width = ids.shape
-    if num_return > 1:
-        prefill, cache = cache, full_static_cache(model, width + gen.max_new_tokens)
-        for small, static in zip(prefill.layers, cache.layers):
-            static.lazy_initialization(*(t[:1].expand(n * num_return, -1, -1, -1) for t in (small.keys, small.values)))
-            for full, part in ((static.keys, small.keys), (static.values, small.values)):  # [n * B, kv_heads, max_len, d]
-                full.view(n, num_return, *full.shape[1:])[:, :, :, :width - 1] = part[:, None, :, :width - 1]
-            static.cumulative_length.fill_(width - 1)
-        del prefill
+    for layer in cache.layers if num_return > 1 else ():  # [n, kv_heads, max_len, d] -> [n * B, ...]
+        layer.keys, layer.values = layer.keys.repeat_interleave(num_return, 0), layer.values.repeat_interleave(num_return, 0)
     out = model.generate(input_ids=ids.repeat_interleave(num_return, 0), attention_mask=mask.repeat_interleave(num_return, 0),
                          cache=cache, generation_config=gen, logits_processor=list(processors), **generate_kw)
-    return out, width, n_prefilled + n * num_return
-
-
-def sampling_config(model, tok, max_new_tokens, sample, temperature):
-    """(GenerationConfig, logits processors) for plain temperature sampling (no top-k/top-p) or
-    greedy decoding. Sampling is the last processor of a greedy generate (draw_tokens). The
-    model's own generation_config defaults (e.g. Llama's top_p 0.9) are deliberately not used."""
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id,
-                           eos_token_id=stop_token_ids(model, tok))
-    return gen, [draw_tokens(temperature)] if sample else []
-
-
-def draw_tokens(temperature):
-    """Temperature sampling as a logits processor: each row's token is drawn from softmax(scores /
-    T) by inverse CDF (one uniform per row) and left its row's only finite score, which greedy
-    decoding then picks. The distribution of generate's own do_sample, whose torch.multinomial
-    draws an exponential per vocabulary entry: 16 ms a step for 16 rows of a 49k vocabulary on a
-    CPU, an eighth of the step."""
-    def draw(input_ids, scores):  # scores [rows, V]
-        cdf = (scores.float() / temperature).softmax(-1).cumsum(-1)
-        u = torch.rand(len(cdf), 1, device=cdf.device) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1)  # first cdf > u
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
-    return draw
+    return out, ids.shape[1], n_prefilled + len(seqs) * num_return
 
 
 def chat_text(tok, chat):
@@ -1022,7 +994,7 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     All prompts go through `generate` in left-padded batches of at most `batch_size` sequences,
     `num_return` samples per prompt (SPEC.md section 5), prompts that share a prefix side by side
     and prefilled from one copy of it (prefix_groups, prefill_shared). Sampling when num_return
-    > 1 (or `sample`), greedy otherwise (sampling_config). Each completion starts with `prefix`
+    > 1 (or `sample`), greedy otherwise. Each completion starts with `prefix`
     (one string, or one per chat), which the model continues. `stats`, a dict, gets
     prompt_tokens_prefilled and prompt_tokens_plain (what generate(num_return_sequences) would
     prefill) added. `answer_slot`: per chat, the verdict words of a judge prompt, for greedy
@@ -1036,8 +1008,10 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     slot = tok(ANSWER_SLOT, add_special_tokens=False)["input_ids"] if answer_slot else []
     options = [[tok(" " + w, add_special_tokens=False)["input_ids"] for w in words] for words in answer_slot or []]
     extra = len(slot) + max(len(o) for opts in options for o in opts) + 1 if slot else 0
-    gen, sampler = sampling_config(model, tok, max_new_tokens + extra, sample, temperature)
-    gen.stop_strings = stop
+    # plain temperature sampling: no top-k/top-p, never the model's own defaults (e.g. Llama's top_p 0.9)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens + extra, pad_token_id=tok.pad_token_id, stop_strings=stop,
+                           eos_token_id=stop_token_ids(model, tok), repetition_penalty=1.0, do_sample=sample,
+                           **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}))
     sliding = getattr(model.config, "sliding_window", None) is not None  # its window counts cache slots: no mid-padding
     groups = [[i] for i in range(len(chats))] if sliding else prefix_groups(token_ids)
     group_of = {i: g for g, members in enumerate(groups) for i in members}
@@ -1047,7 +1021,7 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     for idx in (order[b:b + max(1, batch_size // num_return)] for b in range(0, len(order), max(1, batch_size // num_return))):
         with torch.inference_mode():
             processors = ([open_answer_slot(tok, max_new_tokens, slot, [options[i] for i in idx for _ in range(num_return)],
-                                            gen.eos_token_id)] if slot else []) + sampler
+                                            gen.eos_token_id)] if slot else [])
             out, width, n = generate_shared_prefix(model, [token_ids[i] for i in idx], [group_of[i] for i in idx],
                                                    tok.pad_token_id, gen, num_return, processors, tokenizer=tok)
         new = out[:, width:]  # [len(idx) * num_return, new_tokens]
@@ -1129,10 +1103,6 @@ def fetch_data(source, flag="--data", **hub_kw):
     except Exception as e:  # offline, unknown id, gated: one line instead of a traceback
         raise UsageError(f"{flag} {source}: could not load it from the hub ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:160]}); offline, pass a local path")
-
-
-def node_to_dict(node):
-    return dataclasses.asdict(node)
 
 
 def node_from_dict(d):
@@ -1246,13 +1216,6 @@ def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
     return run_chunks(out, keys, done, chunks, todo, lambda ks: work(models, ks), cfg.seed, state)
 
 
-def check_collect_flags(cfg):
-    """-> (cfg with the judge budget resolved, roles, branching, taus)."""
-    cfg = check_rollout_flags(cfg)
-    roles = parse_topology(cfg.topology)
-    return cfg, roles, parse_branching(cfg.branching, roles), parse_taus(cfg.tau, roles)
-
-
 def run_until_pairs(cfg, names, flags, paths, work, pairs_of):
     """run_stage over the first --num-cases names, then, while --min-pairs asks for more, over the
     split's next --chunk-cases cases too. -> the records in order (main process), else None."""
@@ -1327,7 +1290,7 @@ def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progr
 def finish_training(cfg, out, accelerator, model, tok, p, metrics):
     """The checkpoint with train_metrics.json; <out>.state goes unless --keep-state."""
     metrics = {"role": cfg.role, "train/steps": p["step"], **metrics, "train/seconds": round(p["seconds"], 1),
-               "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9), "train/peak_rss_mb": round(peak_rss_mb(), 1),
+               "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9), "train/peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "final": p["history"][-1] if p["history"] else {}, "history": p["history"], "flags": dataclasses.asdict(cfg),
                "deepspeed": accelerator.state.deepspeed_plugin is not None, "num_processes": accelerator.num_processes}
     save_checkpoint(accelerator, model, tok, out, metrics)
@@ -1609,10 +1572,6 @@ def return_freed_memory():
         pass  # not glibc: nothing to tune
 
 
-def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator, state_dir):
     """Tokenise, add reference log-probs (once), shuffle with the seed, hold out --eval-fraction.
     -> (train examples, eval examples, stats). They are kept in <out>.state/reference.pt, so a
@@ -1813,14 +1772,13 @@ def plot_tradeoff(reports, path):
     """The paper's Figure 2: privacy (x) against helpfulness (y), one labelled point per report
     with its 95% intervals as error bars, and the Pareto frontier; Avg/Avg and leak@K/Bin."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure to close
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib")
     if not reports:
         raise UsageError("--plot draws PrivacyLens reports; none was given")
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    fig = Figure(figsize=(12, 5), layout="tight")
+    axes = fig.subplots(1, 2)
     for ax, (x, y, x_name, y_name) in zip(axes, (("privacy_avg", "helpfulness_avg", "Avg", "Avg"),
                                                  ("privacy_leak_at_k", "helpfulness_bin", "leak@K", "Bin"))):
         points = [(r["metrics"][x], r["metrics"][y]) for r in reports]
@@ -1833,13 +1791,10 @@ def plot_tradeoff(reports, path):
         ax.set(xlabel=f"privacy {x_name} (higher = less leakage)", ylabel=f"helpfulness {y_name}")
         ax.legend(loc="lower left", fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
     try:
         fig.savefig(path, dpi=100)
     except OSError as e:
         raise UsageError(f"--plot {path}: cannot write ({e.strerror})")
-    finally:
-        plt.close(fig)
     print(f"wrote {path}")
 
 

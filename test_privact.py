@@ -426,7 +426,7 @@ def fake_judgments(run):
             leaf.judgment = {"action": None, "valid": True, "leaks": [n % 3 == 0], "helpfulness": n % 4,
                              "judge_outputs": []}
             n += 1
-        rec["tree"] = privact.node_to_dict(root)
+        rec["tree"] = privact.dataclasses.asdict(root)
     (run / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return records
 
@@ -907,25 +907,19 @@ def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
     assert stats["prompt_tokens_prefilled"] < stats["prompt_tokens_plain"] / 2  # each case's context once per batch
 
 
-def test_draw_tokens_inverse_cdf_by_hand(monkeypatch):
-    """p = [0.1, 0, 0.6, 0.3]: cdf [0.1, 0.1, 0.7, 1.0]; a row's token is the first whose cdf
-    exceeds its uniform, so the zero-probability token is never drawn, even at u = 0.1."""
-    scores = torch.tensor([0.1, 0.0, 0.6, 0.3]).log().repeat(5, 1)
-    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.tensor([[0.05], [0.1], [0.69], [0.71], [0.999]]))
-    out = privact.draw_tokens(1.0)(None, scores.clone())
-    assert out.argmax(-1).tolist() == [0, 2, 2, 3, 3]
-    assert torch.isinf(out).sum(-1).tolist() == [3] * 5  # one finite score per row, for greedy decoding
-
-
-def test_draw_tokens_samples_the_temperature_distribution():
-    """20,000 draws of p = [0.1, 0, 0.6, 0.3]: frequencies within 0.015 of p at T = 1 and of
-    p^2 / sum(p^2) = [0.0217, 0, 0.7826, 0.1957] at T = 0.5 (logits / 0.5 squares p)."""
-    torch.manual_seed(0)
-    scores = torch.tensor([0.1, 0.0, 0.6, 0.3]).log().repeat(20000, 1)
-    for temperature, expected in ((1.0, [0.1, 0.0, 0.6, 0.3]), (0.5, [0.01 / 0.46, 0.0, 0.36 / 0.46, 0.09 / 0.46])):
-        drawn = privact.draw_tokens(temperature)(None, scores.clone()).argmax(-1)
-        freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
-        assert freq[1] == 0 and torch.allclose(freq, torch.tensor(expected), atol=0.015), (temperature, freq)
+def test_sampling_is_plain_temperature_sampling(tiny_model, monkeypatch):
+    """Samples are drawn at --temperature with no top-k or top-p, even where the model's own
+    generation defaults would cut the distribution (here to its single likeliest token)."""
+    model, tok = privact.load_model(tiny_model)
+    model.generation_config.top_k, model.generation_config.top_p = 1, 0.01
+    configs, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: configs.append(kw["generation_config"]) or real(**kw))
+    outs, _ = privact.generate_batched(model, tok, [[{"role": "user", "content": "Say something."}]], 4, 6, 8, temperature=0.7)
+    gen = configs[0]
+    assert (gen.do_sample, gen.temperature, gen.top_k, gen.top_p) == (True, 0.7, 0, 1.0)
+    assert len(set(outs[0])) > 1  # top_k 1 would give four copies of the greedy text
+    privact.generate_batched(model, tok, [[{"role": "user", "content": "Say something."}]], 1, 6, 8)
+    assert configs[-1].do_sample is False  # one sample per prompt: greedy
 
 
 def test_sampling_is_deterministic_under_a_seed(tiny_model):
@@ -1205,7 +1199,8 @@ def test_compare_plot_writes_figure_2(tmp_path, capsys):
 
 
 def test_plot_without_matplotlib_names_the_pip_command(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
     report = fake_report(tmp_path / "a.json", "a", 0.5, 0.3, 0.6, 0.7)
     assert run_cli("eval", "--compare", report, "--plot", tmp_path / "x.png") == 2
     assert "pip install matplotlib" in capsys.readouterr().err
