@@ -44,6 +44,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -100,27 +101,29 @@ class UsageError(Exception):
 # ----------------------------------------------------------------------------------------------
 
 
-def opt(default, help, **argparse_kw):
-    return field(default=default, metadata={"help": help, **argparse_kw})
+def opt(default, help, at_least=None, **argparse_kw):
+    """A config field: its --help line, an optional minimum (check_flags) and any argparse keywords.
+    A field typed Literal[...] takes only those values."""
+    return field(default=default, metadata={"help": help, "at_least": at_least, **argparse_kw})
 
 
 @dataclass
 class RolloutConfig:
     """Flags shared by collect and eval: what is sampled, by which model, how fast."""
     data: str = opt("", "PrivacyLens main_data.json or hub id (SALT-NLP/PrivacyLens); confaide: a folder of tier files; empty = data/")
-    split: str = opt("train", "train (394 cases), test (99) or all; the released seed-42 split")
-    num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)")
+    split: Literal["train", "test", "all"] = opt("train", "train: 394 cases, test: 99; the released seed-42 split")
+    num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)", 0)
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
     judge_model: str = opt("", "judge model (default: the --model); the paper used Mistral-7B-Instruct-v0.2")
     topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
-    prompt: str = opt("naive", "system-line variant: naive or privacy_enhanced (the PPE baseline)")
-    max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens")
-    judge_protocol: str = opt("privacylens", "privacylens (the paper's: PrivacyLens's prompts and parsers) or strict (ours, for small judges)")
-    judge_max_new_tokens: int = opt(0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)")
+    prompt: Literal["naive", "privacy_enhanced"] = opt("naive", "system-line variant (privacy_enhanced: the PPE baseline)")
+    max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", 1)
+    judge_protocol: Literal["privacylens", "strict"] = opt("privacylens", "PrivacyLens's prompts and parsers (the paper's), or ours")
+    judge_max_new_tokens: int = opt(0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)", 0)
     temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)")
-    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error")
-    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)")
-    dtype: str = opt("bfloat16", "weights dtype for generation: bfloat16 (the paper's), float32 or float16")
+    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error", 1)
+    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", 1)
+    dtype: Literal["bfloat16", "float32", "float16"] = opt("bfloat16", "weights dtype for generation (bfloat16: the paper's)")
     seed: int = opt(0, "seed for sampling; each chunk of cases reseeds from it")
 
 
@@ -129,7 +132,7 @@ class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
-    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)")
+    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)", 0)
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)")
     b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)")
     alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)")
@@ -144,41 +147,41 @@ class TrainConfig:
     out: str = opt("", "output folder for the checkpoint (default: <pairs folder>/<role>)")
     beta: float = opt(0.4, "DPO beta (paper's released config)")
     lr: float = opt(5e-7, "peak learning rate (released config 5e-7; the paper's text says 5e-5)")
-    batch_size: int = opt(8, "pairs per device per micro-batch")
-    grad_accum: int = opt(4, "micro-batches per optimizer step (8 x 4 = the paper's 32)")
-    epochs: int = opt(0, "epochs (0 = by role: verifier 12, refiner 4, generator 4)")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no cap)")
+    batch_size: int = opt(8, "pairs per device per micro-batch", 1)
+    grad_accum: int = opt(4, "micro-batches per optimizer step (8 x 4 = the paper's 32)", 1)
+    epochs: int = opt(0, "epochs (0 = by role: verifier 12, refiner 4, generator 4)", 0)
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no cap)", 0)
     warmup_ratio: float = opt(0.1, "share of optimizer steps with linear warmup before cosine decay")
     weight_decay: float = opt(0.0, "AdamW weight decay")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
     eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss")
-    eval_every: int = opt(50, "optimizer steps between eval-loss measurements")
+    eval_every: int = opt(50, "optimizer steps between eval-loss measurements", 1)
     max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
-    mixed_precision: str = opt("no", "no or bf16 (autocast; float32 master weights); accelerate launch flags win")
+    mixed_precision: Literal["no", "bf16"] = opt("no", "bf16: autocast, float32 master weights; accelerate launch flags win")
     gradient_checkpointing: bool = opt(True, "recompute activations in backward (long prompts)", action=argparse.BooleanOptionalAction)
-    log_every: int = opt(1, "optimizer steps between log lines")
-    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume")
+    log_every: int = opt(1, "optimizer steps between log lines", 1)
+    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume", 0)
     keep_state: bool = opt(False, "keep <out>.state after the final checkpoint is saved", action=argparse.BooleanOptionalAction)
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
 
 @dataclass
 class EvalConfig(RolloutConfig):
-    split: str = opt("test", "train, test (99 cases) or all")
+    split: Literal["train", "test", "all"] = opt("test", "test: the 99 held-out cases")
     out: str = opt("runs/eval", "output folder: rollouts.jsonl (per-sample records) and report.json")
-    k: int = opt(10, "privacylens: samples per case, branching K,1,1 (first agent samples, later ones greedy)")
-    baseline: str = opt("", "vanilla, ppe or aifc (overrides --topology and --prompt); empty = PrivAct chain")
+    k: int = opt(10, "privacylens: samples per case, branching K,1,1 (first agent samples, later ones greedy)", 1)
+    baseline: Literal["", "vanilla", "ppe", "aifc"] = opt("", "a baseline's chain and prompt instead of --topology and --prompt")
     generator: str = opt("", "model for the generator role (default: --model)")
     verifier: str = opt("", "model for the verifier role, e.g. a trained checkpoint (default: --model)")
     refiner: str = opt("", "model for the refiner role, e.g. a trained checkpoint (default: --model)")
     label: str = opt("", "name in tables (default: the baseline or the roles trained; confaide: the model's folder)")
-    bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals")
+    bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals", 1)
     compare: tuple = opt((), "print these report.json files side by side and exit", nargs="+")
     plot: str = opt("", "with --compare: draw the paper's Figure 2 from the PrivacyLens reports into this PNG (matplotlib)")
-    benchmark: str = opt("privacylens", "privacylens (the agent chain) or confaide (tiers 3-4 asked of --model, Table 2)")
+    benchmark: Literal["privacylens", "confaide"] = opt("privacylens", "the agent chain, or ConfAIde tiers 3-4 asked of --model (Table 2)")
     tiers: str = opt("3,4", "confaide: tiers to run (tier 3: FR, IA, PS; tier 4: MS, AI)")
-    samples: int = opt(10, "confaide: sampled answers per prompt")
-    max_new_tokens: int = opt(0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)")
+    samples: int = opt(10, "confaide: sampled answers per prompt", 1)
+    max_new_tokens: int = opt(0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)", 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,8 +210,6 @@ def validate_case(case, index, path):
 
 def split_indices(n, split):
     """The released split: shuffle 0..n-1 with random.seed(42); the first int(0.8 n) are train."""
-    if split not in ("train", "test", "all"):
-        raise UsageError(f"--split {split!r}: unknown split (use train, test or all)")
     order = list(range(n))
     random.Random(42).shuffle(order)  # same order as the released random.seed(42); random.shuffle
     cut = int(n * 0.8)
@@ -802,16 +803,13 @@ def cmd_eval(cfg):
     """Paper 4.2: K chains per held-out case, judged (privacylens), or ConfAIde tiers 3-4 (confaide); or --compare."""
     if cfg.compare:
         return compare_reports(cfg)
-    if cfg.plot or cfg.benchmark not in ("privacylens", "confaide"):
-        raise UsageError("--plot draws compared reports: eval --compare A B ... --plot FILE.png" if cfg.plot
-                         else f"--benchmark {cfg.benchmark!r}: use privacylens or confaide")
+    if cfg.plot:
+        raise UsageError("--plot draws compared reports: eval --compare A B ... --plot FILE.png")
     cfg = check_rollout_flags(dataclasses.replace(cfg, max_new_tokens=cfg.max_new_tokens or (256 if cfg.benchmark == "confaide" else 1000)))
     (eval_confaide if cfg.benchmark == "confaide" else eval_privacylens)(cfg)
 
 
 def eval_privacylens(cfg):
-    if cfg.k < 1:
-        raise UsageError("--k must be >= 1")
     roles, variants, paths, label = eval_setup(cfg)
     cases = {c["name"]: c for c in load_cases(cfg.data, cfg.split, cfg.num_cases)}
     branching = [cfg.k] + [1] * (len(roles) - 1)  # SPEC.md 9: the first agent samples, the rest greedy
@@ -1259,8 +1257,6 @@ def parse_tiers(cfg):
     tiers = sorted({int(t) for t in cfg.tiers.split(",") if t.strip().isdigit()})
     if len(tiers) != len(cfg.tiers.split(",")) or not set(tiers) <= set(CONFAIDE_TASKS):
         raise UsageError(f"--tiers {cfg.tiers!r}: ConfAIde tiers here are 3 and 4 (e.g. --tiers 3,4)")
-    if cfg.samples < 1:
-        raise UsageError("--samples must be >= 1")
     return tiers
 
 
@@ -1290,7 +1286,8 @@ def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progr
 def finish_training(cfg, out, accelerator, model, tok, p, metrics):
     """The checkpoint with train_metrics.json; <out>.state goes unless --keep-state."""
     metrics = {"role": cfg.role, "train/steps": p["step"], **metrics, "train/seconds": round(p["seconds"], 1),
-               "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9), "train/peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+               "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9),
+               "train/peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
                "final": p["history"][-1] if p["history"] else {}, "history": p["history"], "flags": dataclasses.asdict(cfg),
                "deepspeed": accelerator.state.deepspeed_plugin is not None, "num_processes": accelerator.num_processes}
     save_checkpoint(accelerator, model, tok, out, metrics)
@@ -1307,16 +1304,9 @@ def generation_flags(cfg, **shape):
 
 
 def check_rollout_flags(cfg):
-    """The checks collect and eval share -> cfg with --judge-max-new-tokens 0 resolved (PrivacyLens: 1000)."""
-    for flag, allowed in (("dtype", ("bfloat16", "float32", "float16")), ("prompt", ("naive", "privacy_enhanced")),
-                          ("judge_protocol", ("privacylens", "strict"))):
-        if getattr(cfg, flag) not in allowed:
-            raise UsageError(f"--{flag.replace('_', '-')} {getattr(cfg, flag)!r}: use {' or '.join(allowed)}")
+    """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 resolved."""
     if cfg.temperature <= 0:
         raise UsageError("--temperature must be > 0 (levels of width 1 decode greedily anyway)")
-    for name in ("max_new_tokens", "batch_size", "chunk_cases", "judge_max_new_tokens"):
-        if getattr(cfg, name) < (name != "judge_max_new_tokens"):
-            raise UsageError(f"--{name.replace('_', '-')} must be >= {int(name != 'judge_max_new_tokens')}")
     return dataclasses.replace(cfg, judge_max_new_tokens=cfg.judge_max_new_tokens or (1000 if cfg.judge_protocol == "privacylens" else 256))
 
 
@@ -1734,8 +1724,6 @@ def setup_training(cfg, model, train_ex, eval_ex, tok, accelerator):
 
 def eval_setup(cfg):
     """-> (roles, variant per role, model path per role, label) for the chosen configuration."""
-    if cfg.baseline and cfg.baseline not in BASELINES:
-        raise UsageError(f"--baseline {cfg.baseline!r}: use one of {', '.join(BASELINES)}")
     topology, variant = BASELINES[cfg.baseline] if cfg.baseline else (cfg.topology, cfg.prompt)
     roles = parse_topology(topology)
     paths = {r: (getattr(cfg, r) if r in ("generator", "verifier", "refiner") else "") or cfg.model for r in roles}
@@ -1897,15 +1885,27 @@ def format_confaide_table(reports):
 
 def add_config_args(parser, cls):
     for f in dataclasses.fields(cls):
-        kw = {k: v for k, v in f.metadata.items() if k != "help"}
+        kw = {k: v for k, v in f.metadata.items() if k not in ("help", "at_least")}
         if "nargs" not in kw and "action" not in kw:
             kw["type"] = type(f.default)
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, metavar=choices_of(f) or None,
                             help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)", **kw)
 
 
-def config_from_args(cls, ns):
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+def choices_of(f):
+    """'{a,b}' for a field typed Literal["a", "b"], else ''."""
+    return "{" + ",".join(get_args(f.type)) + "}" if getattr(f.type, "__origin__", None) is Literal else ""
+
+
+def check_flags(cfg):
+    """The checks the config declares, each a one-line UsageError: a Literal field's values, a minimum."""
+    for f in dataclasses.fields(cfg):
+        value, flag, least = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("at_least")
+        if choices_of(f) and value not in get_args(f.type):
+            raise UsageError(f"{flag} {value!r}: use one of {', '.join(map(repr, get_args(f.type)))}")
+        if least is not None and not value >= least:  # `not >=` also refuses NaN
+            raise UsageError(f"{flag} must be >= {least}")
+    return cfg
 
 
 COMMANDS = {
@@ -1928,7 +1928,7 @@ def main(argv=None):
     ns = build_parser().parse_args(argv)
     cls, command, _ = COMMANDS[ns.command]
     try:
-        command(config_from_args(cls, ns))
+        command(check_flags(cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})))
     except UsageError as e:
         print(f"privact {ns.command}: error: {e}", file=sys.stderr)
         return 2

@@ -366,7 +366,7 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
     assert run_cli("eval", "--data", bad, "--out", tmp_path / "e") == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert run_cli("collect", "--data", data_file, "--split", "dev", "--out", tmp_path / "r") == 2
-    assert "unknown split" in capsys.readouterr().err
+    assert "--split 'dev': use one of 'train', 'test', 'all'" in capsys.readouterr().err
 
 
 def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
