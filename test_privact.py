@@ -5,6 +5,7 @@ SmolLM2 model (part of the default run).
     pytest -q test_privact.py                       # everything
     pytest -q test_privact.py -k "not embedded"     # skip the SmolLM2 run
 """
+import collections
 import json
 import math
 import os
@@ -898,7 +899,7 @@ def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
     cases = privact.load_cases("", "train", 3)
     chats = [privact.build_chat("verifier", c, [("generator", f"Thought: send it{'!' * k}\nAction: X")])
              for c in cases[:2] for k in range(3)] + [privact.build_chat("generator", cases[2], [])]
-    stats = {}
+    stats = collections.Counter()
     outs, _ = privact.generate_batched(model, tok, chats, 1, 8, batch_size=4, stats=stats)
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     for chat, (text,) in zip(chats, outs):
