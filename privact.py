@@ -324,13 +324,9 @@ def rollout(cases, roles, branching, role_models, variants, max_new_tokens, batc
                                    f"level {level} {role} x{width}", temperature,
                                    P.ACTION_PREFIX if role in DRAFT_ROLES else "", stats)
         n_tokens += n
-        next_frontier = []
-        for (node, case, path), chat, texts in zip(frontier, chats, outs):
-            for text in texts:
-                child = Node(role, chat, text)
-                node.children.append(child)
-                next_frontier.append((child, case, path + [(role, text)]))
-        frontier = next_frontier
+        for (node, _, _), chat, texts in zip(frontier, chats, outs):
+            node.children = [Node(role, chat, text) for text in texts]
+        frontier = [(child, case, path + [(role, child.output)]) for node, case, path in frontier for child in node.children]
     return roots, n_tokens
 
 
@@ -1026,30 +1022,28 @@ ANSWER_SLOT = "\nAnswer:"
 
 def open_answer_slot(tok, budget, slot, options, stop_ids):
     """A logits processor for greedy judging: a row about to stop (EOS, or `budget` tokens of
-    reasoning spent) without having written "Answer:" is made to write "\nAnswer:" and then the
-    most likely of its verdict words (options[row]: token lists), then stop; a row that wrote it
+    reasoning spent) without having written "Answer:" is made to write "\nAnswer:" (slot) and then
+    the most likely of its verdict words (options[row]: token lists), then stop; a row that wrote it
     stops at its budget. The small judges reason and never answer, or echo the list of options;
     this opens the line for them in the same pass and reads their greedy choice among the words
     the prompt allows. What a judge writes after its own "Answer:" stays as written (parse_verdict)."""
-    stop_ids = stop_ids if isinstance(stop_ids, list) else [stop_ids]
-    width, opened, chosen, answered = [], {}, {}, set()
+    width, queued, answered = [], {}, set()  # queued: row -> tokens still to write (None: pick the word there)
 
     def force(input_ids, scores):  # input_ids [rows, W + step], scores [rows, V]
         width[:] = width or [input_ids.shape[1]]
         step = input_ids.shape[1] - width[0]
         for row in range(scores.shape[0]):
-            if row not in opened and row not in answered:
+            if row not in queued and row not in answered:
                 if "answer:" in tok.decode(input_ids[row, width[0]:]).lower():
                     answered.add(row)
                 elif step >= budget or int(scores[row].argmax()) in stop_ids:
-                    opened[row] = step
+                    queued[row] = [*slot, None]
             token = stop_ids[0] if row in answered and step >= budget else None
-            if row in opened:  # the slot's tokens, the chosen word's tokens, then stop
-                k = step - opened[row] - len(slot)
-                if k == 0:
-                    chosen[row] = max(options[row], key=lambda word: float(scores[row, word[0]]))
-                word = chosen.get(row, [])
-                token = slot[k + len(slot)] if k < 0 else word[k] if k < len(word) else stop_ids[0]
+            if queued.get(row):
+                token = queued[row].pop(0)
+                if token is None:  # the slot is written: the likeliest allowed word, then stop
+                    word = max(options[row], key=lambda w: float(scores[row, w[0]]))
+                    token, queued[row] = word[0], [*word[1:], stop_ids[0]]
             if token is not None:
                 scores[row] = float("-inf")
                 scores[row, token] = 0.0
@@ -1259,8 +1253,19 @@ def start_training(cfg, out):
 
 
 def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progress):
-    """Prepare model and optimizer, resume from <out>.state's last step if there is one, train. -> (model, progress)."""
-    model, optimizer, eval_loader, plan = setup_training(cfg, model, train_ex, eval_ex, tok, accelerator)
+    """Prepare model, optimizer and the eval loader with accelerate, resume from <out>.state's last
+    step if there is one, train (dpo_train_loop). -> (model, progress)."""
+    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(cfg.role, 4)
+    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
+    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
+    batches = math.ceil(math.ceil(len(train_ex) / cfg.batch_size) / accelerator.num_processes)  # per process, per epoch
+    plan = {"steps": min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf")), "epochs": epochs,
+            "collate": collate}
+    model.train()
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    # DeepSpeed reads the micro-batch size from a loader prepared with the model: the eval one
+    model, optimizer, eval_loader = accelerator.prepare(model, make_optimizer(model, cfg, accelerator), eval_loader)
     if progress:
         accelerator.load_state(os.path.join(state_dir, progress["dir"]))
         rebuild_cpu_adam_cache(optimizer)
@@ -1324,14 +1329,13 @@ def sibling_groups(root, role, tau):
 def collect_summary(records, pairs, stats):
     judgments = [leaf.judgment for rec in records for leaf, _ in leaves_with_paths(node_from_dict(rec["tree"]))]
     private = [sample_private(j) for j in judgments if j["valid"]]
-    scores = [j["helpfulness"] for j in judgments if j["helpfulness"] is not None]
     counts = ("generated_tokens", "judge_tokens", "prompt_tokens_prefilled", "prompt_tokens_plain", "seconds")
     return {"collect/cases": len(records), "collect/leaves": len(judgments),
             "collect/invalid_leaves": sum(not j["valid"] for j in judgments),
             "collect/unparsed_leaves": sum(is_unparsed(j) for j in judgments),
             "collect/unparsed_verdicts": sum(x is None for j in judgments for x in j["leaks"] + [j["helpfulness"]]),
             "collect/leak_rate_valid": mean_known([None if p is None else 1 - p for p in private]),
-            "collect/helpfulness_avg": sum(scores) / 3 / len(scores) if scores else None,
+            "collect/helpfulness_avg": mean_known([None if j["helpfulness"] is None else j["helpfulness"] / 3 for j in judgments]),
             **{f"collect/pairs_{role}": len(p) for role, p in pairs.items()}, **{f"collect/{k}": v for k, v in stats.items()},
             **{f"collect/{k}": round(sum(r.get(k, 0) for r in records)) for k in counts}}
 
@@ -1417,26 +1421,21 @@ def collate_pairs(examples, pad_id):
     padding attends causally and is never read); chosen_at, chosen_ids [B, Rc] and rejected_at,
     rejected_ids [B, Rr]: the positions whose next-token prediction scores each response token,
     and those tokens (-100 = padding); ref_chosen, ref_rejected [B] once computed."""
-    width = max(len(e["prompt"]) + len(e["chosen"]) + len(e["rejected"]) for e in examples)
-    ids, pos, mask = torch.full((len(examples), width), pad_id), torch.zeros(len(examples), width, dtype=torch.long), []
-    targets = {"chosen": [], "rejected": []}
-    for i, e in enumerate(examples):
-        p, c, r = len(e["prompt"]), len(e["chosen"]), len(e["rejected"])
-        ids[i, :p + c + r] = torch.tensor(e["prompt"] + e["chosen"] + e["rejected"])
-        pos[i, :p + c + r] = torch.cat([torch.arange(p + c), torch.arange(p, p + r)])
-        m = torch.ones(width, width, dtype=torch.bool).tril()
-        m[p + c:p + c + r, p:p + c] = False  # rejected tokens do not see the chosen ones
-        mask.append(m)
-        targets["chosen"].append(([p - 1] + list(range(p, p + c - 1)), e["chosen"]))
-        targets["rejected"].append(([p - 1] + list(range(p + c, p + c + r - 1)), e["rejected"]))
-    batch = {"input_ids": ids, "position_ids": pos, "attention_mask": torch.stack(mask)[:, None]}
-    for key, rows in targets.items():
-        w = max(len(t) for _, t in rows)
-        batch[f"{key}_at"] = torch.tensor([at + [0] * (w - len(at)) for at, _ in rows])
-        batch[f"{key}_ids"] = torch.tensor([t + [-100] * (w - len(t)) for _, t in rows])
+    pad = lambda rows, value: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
+        [torch.tensor(row) for row in rows], batch_first=True, padding_value=value)
+    sizes = [(len(e["prompt"]), len(e["chosen"]), len(e["rejected"])) for e in examples]
+    width = max(map(sum, sizes))
+    mask = torch.ones(len(examples), 1, width, width, dtype=torch.bool).tril()
+    for i, (p, c, r) in enumerate(sizes):
+        mask[i, 0, p + c:p + c + r, p:p + c] = False  # rejected tokens do not see the chosen ones
+    batch = {"input_ids": pad([e["prompt"] + e["chosen"] + e["rejected"] for e in examples], pad_id),
+             "position_ids": pad([[*range(p + c), *range(p, p + r)] for p, c, r in sizes], 0), "attention_mask": mask,
+             "chosen_at": pad([[p - 1, *range(p, p + c - 1)] for p, c, r in sizes], 0),
+             "chosen_ids": pad([e["chosen"] for e in examples], -100),
+             "rejected_at": pad([[p - 1, *range(p + c, p + c + r - 1)] for p, c, r in sizes], 0),
+             "rejected_ids": pad([e["rejected"] for e in examples], -100)}
     if "ref_chosen" in examples[0]:
-        batch["ref_chosen"] = torch.tensor([e["ref_chosen"] for e in examples])
-        batch["ref_rejected"] = torch.tensor([e["ref_rejected"] for e in examples])
+        batch.update({key: torch.tensor([e[key] for e in examples]) for key in ("ref_chosen", "ref_rejected")})
     return batch
 
 
@@ -1474,6 +1473,7 @@ def batch_logps(model, batch, chunk=1024):
     return sums[0], sums[1]
 
 
+@torch.inference_mode()
 def reference_logps(model, examples, batch_size, pad_id, state):
     """Adds ref_chosen / ref_rejected to every example, once, before training: no reference
     model is held in memory while the policy is optimised. Each process scores its share
@@ -1484,10 +1484,9 @@ def reference_logps(model, examples, batch_size, pad_id, state):
     for b in tqdm(range(0, len(order), batch_size), desc="reference log-probs", unit="batch", disable=not state.is_main_process):
         idx = order[b:b + batch_size]
         batch = {k: v.to(model.device) for k, v in collate_pairs([examples[i] for i in idx], pad_id).items()}
-        with torch.inference_mode():
-            chosen, rejected = batch_logps(model, batch)
+        chosen, rejected = batch_logps(model, batch)
         scores += list(zip(idx, chosen.tolist(), rejected.tolist()))
-    for i, c, r in gather_object(scores) if state.num_processes > 1 else scores:
+    for i, c, r in gather_object(scores):  # a single process gets its own list back
         examples[i]["ref_chosen"], examples[i]["ref_rejected"] = c, r
 
 
@@ -1685,22 +1684,6 @@ def save_train_state(accelerator, state_dir, progress):
     accelerator.wait_for_everyone()
 
 
-def setup_training(cfg, model, train_ex, eval_ex, tok, accelerator):
-    """Optimizer and eval loader, prepared by accelerate; the plan: optimizer steps in all,
-    epochs, collate function."""
-    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(cfg.role, 4)
-    collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
-    eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
-    batches = math.ceil(math.ceil(len(train_ex) / cfg.batch_size) / accelerator.num_processes)  # per process, per epoch
-    steps = min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf"))
-    model.train()
-    if cfg.gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    # DeepSpeed reads the micro-batch size from a loader prepared with the model: the eval one
-    model, optimizer, eval_loader = accelerator.prepare(model, make_optimizer(model, cfg, accelerator), eval_loader)
-    return model, optimizer, eval_loader, {"steps": steps, "epochs": epochs, "collate": collate}
-
-
 # ----------------------------------------------------------------------------------------------
 # Reports, tables and the Figure 2 plot
 # ----------------------------------------------------------------------------------------------
@@ -1837,15 +1820,13 @@ def confaide_chunk(items, model, tok, cfg):
     """Sample cfg.samples answers to every task prompt of a chunk of items, in batched generate
     calls (a prompt's samples share its prefill; a scenario's three prompts share the story's)."""
     start = time.time()
-    prompts = {key: confaide_prompts(tier, item) for key, (tier, _, item) in items.items()}
-    flat = [(key, task, text) for key, tasks in prompts.items() for task, text in tasks.items()]
+    flat = [(key, task, text) for key, (tier, _, item) in items.items() for task, text in confaide_prompts(tier, item).items()]
     texts, n_tokens = generate_batched(model, tok, [[{"role": "user", "content": t}] for _, _, t in flat], cfg.samples,
                                        cfg.max_new_tokens, cfg.batch_size, "confaide", cfg.temperature, sample=True)
-    records = {key: {"case": key, "tier": tier, "index": i, "tasks": {}} for key, (tier, i, _) in items.items()}
+    records = {key: {"case": key, "tier": tier, "index": i, "tasks": {}, "generated_tokens": n_tokens / len(items),
+                     "seconds": (time.time() - start) / len(items)} for key, (tier, i, _) in items.items()}
     for (key, task, prompt), samples in zip(flat, texts):
         records[key]["tasks"][task] = {"prompt": prompt, "samples": samples}
-    for rec in records.values():
-        rec.update(generated_tokens=n_tokens / len(records), seconds=(time.time() - start) / len(records))
     return list(records.values())
 
 
