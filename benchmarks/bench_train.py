@@ -56,7 +56,6 @@ def run_trl(args, pairs, out):
     import torch
     from trl import DPOConfig, DPOTrainer
     model, tok = privact.load_model(args.model, dtype=torch.float32)
-    privact.strip_gguf_config(model)
     rows = [json.loads(line) for line in open(pairs)]
     ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
                                       "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
@@ -102,8 +101,7 @@ def main():
     tmp = tempfile.mkdtemp()
     if args.model in privact.EMBEDDED_MODELS:  # TRL re-reads the config from the path: give both a plain HF folder
         model, tok = privact.load_model(args.model)
-        privact.strip_gguf_config(model)
-        model.save_pretrained(os.path.join(tmp, "model"))
+            model.save_pretrained(os.path.join(tmp, "model"))
         tok.save_pretrained(os.path.join(tmp, "model"))
         args.model = os.path.join(tmp, "model")
     if not args.pairs:
