@@ -467,8 +467,8 @@ def is_unparsed(judgment):
 
 
 def rollout_chunk(cases, roles, branching, models, variants, cfg):
-    """Roll out and judge a chunk of cases -> one rollouts.jsonl record per case: {"case",
-    "tree" (dataclasses.asdict of its root Node), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
+    """Roll out and judge a chunk of cases -> one rollouts.jsonl record per case: {"case", "tree"
+    (its root Node as a dict), "generated_tokens", "judge_tokens", "prompt_tokens_prefilled",
     "prompt_tokens_plain", "seconds"}; the counts are the chunk's, split evenly among its cases."""
     start, stats = time.time(), collections.Counter()
     roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size, cfg.temperature, stats)
@@ -560,7 +560,8 @@ def pairs_from_records(records, taus, reward_kw):
             continue
         propagate_values(scored)
         for role, tau in taus.items():  # sibling groups that could give pairs, and those with all values on one side of tau
-            stats.update(dict(zip((f"{role}_sibling_groups", f"{role}_one_sided_groups"), sibling_groups(scored, role, tau))))
+            groups, one_sided = sibling_groups(scored, role, tau)
+            stats.update({f"{role}_sibling_groups": groups, f"{role}_one_sided_groups": one_sided})
         for pair in build_pairs(scored, taus):
             if pair["chosen"] == pair["rejected"]:  # same text: no preference signal, zero gradient
                 stats["identical_pairs_dropped"] += 1
@@ -771,7 +772,6 @@ def eval_privacylens(cfg):
     roles, variants, paths, label = eval_setup(cfg)
     cases = {c["name"]: c for c in load_cases(cfg.data, cfg.split, cfg.num_cases)}
     branching = [cfg.k] + [1] * (len(roles) - 1)  # SPEC.md 9: the first agent samples, the rest greedy
-    paths["judge"] = cfg.judge_model or cfg.model
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants, models=paths)
     work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
     records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
@@ -970,8 +970,8 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     gen = GenerationConfig(max_new_tokens=max_new_tokens + extra, pad_token_id=tok.pad_token_id, stop_strings=stop,
                            eos_token_id=stop_token_ids(model, tok), repetition_penalty=1.0, do_sample=sample,
                            **({"temperature": temperature, "top_k": 0, "top_p": 1.0} if sample else {}))
-    sliding = getattr(model.config, "sliding_window", None) is not None  # its window counts cache slots: no mid-padding
-    groups = [[i] for i in range(len(chats))] if sliding else prefix_groups(token_ids)
+    # a sliding window counts cache slots, so such a model's prompts are never padded in the middle
+    groups = [[i] for i in range(len(chats))] if getattr(model.config, "sliding_window", None) else prefix_groups(token_ids)
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     order = sorted(range(len(chats)), key=lambda i: (group_of[i], token_ids[i]))
     results, n_tokens, n_prefilled, start = [None] * len(chats), 0, 0, time.time()
@@ -1431,9 +1431,8 @@ def batch_logps(model, batch, chunk=1024):
     stored, so no [B, T, V] logits exist and [chunk, V] is the largest (SPEC.md 8: prompt and
     padding carry no loss). Equals sequence_logps on each unpacked, unpadded sequence.
     """
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                attention_mask=batch["attention_mask"], output_hidden_states=True, logits_to_keep=1)
-    hidden = out.hidden_states[-1]  # [B, T, H], after the final norm
+    hidden = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=batch["attention_mask"],
+                   output_hidden_states=True, logits_to_keep=1).hidden_states[-1]  # [B, T, H], after the final norm
     lm_head = getattr(model, "module", model).get_output_embeddings()  # DeepSpeed/DDP wrap the model
     sums = []
     for key in ("chosen", "rejected"):
@@ -1543,8 +1542,7 @@ def epoch_loader(examples, epoch, cfg, collate, accelerator, skip=0):
     so that a micro-batch pads little: 12% fewer tokens on the train benchmark."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
     size = lambda i: len(examples[i]["prompt"]) + len(examples[i]["chosen"]) + len(examples[i]["rejected"])  # noqa: E731
-    chunk = 50 * cfg.batch_size
-    order = [i for s in range(0, len(order), chunk) for i in sorted(order[s:s + chunk], key=size, reverse=True)]
+    order = [i for s in range(0, len(order), 50 * cfg.batch_size) for i in sorted(order[s:s + 50 * cfg.batch_size], key=size, reverse=True)]
     loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(
         [examples[i] for i in order], batch_size=cfg.batch_size, collate_fn=collate))
     return accelerator.skip_first_batches(loader, skip) if skip else loader
@@ -1580,7 +1578,7 @@ def dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader, plan, accelerat
             p["history"].append(row)
             window = []
             bar.update(1)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['train/reward_acc']:.2f}", pairs_s=f"{row['train/pairs_per_s']:.2f}")
+            bar.set_postfix({k: f"{row['train/' + k]:.3g}" for k in ("loss", "reward_acc", "pairs_per_s")})
             if p["step"] % cfg.log_every == 0:
                 accelerator.print(json.dumps(row))
             if p["step"] >= plan["steps"]:
@@ -1649,10 +1647,10 @@ def save_train_state(accelerator, state_dir, progress):
 
 
 def eval_setup(cfg):
-    """-> (roles, variant per role, model path per role, label) for the chosen configuration."""
+    """-> (roles, variant per role, model path per role and the judge's, label) for the chosen configuration."""
     topology, variant = BASELINES[cfg.baseline] if cfg.baseline else (cfg.topology, cfg.prompt)
     roles = parse_topology(topology)
-    paths = {r: (getattr(cfg, r) if r in ("generator", "verifier", "refiner") else "") or cfg.model for r in roles}
+    paths = {**{r: getattr(cfg, r, "") or cfg.model for r in roles}, "judge": cfg.judge_model or cfg.model}  # --generator, ...
     trained = [r[0].upper() for r in ("verifier", "refiner") if r in roles and paths[r] != cfg.model]
     label = cfg.label or cfg.baseline or ("+".join(trained) if trained else "base") + f" [{','.join(roles)}]"
     return roles, {r: variant for r in roles}, paths, label
@@ -1838,8 +1836,7 @@ def build_parser():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, command) in COMMANDS.items():
-        help_ = command.__doc__.split("\n")[0]
-        add_config_args(sub.add_parser(name, help=help_, description=help_), cls)
+        add_config_args(sub.add_parser(name, help=command.__doc__, description=command.__doc__), cls)
     return parser
 
 

@@ -1092,7 +1092,9 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     metrics = json.loads((resumed / "train_metrics.json").read_text())
     assert metrics["resumed_from_step"] >= 2 and metrics["train/steps"] == 24 and len(metrics["history"]) == 24
     a, b = saved_weights(whole), saved_weights(resumed)
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    # bit-exact in isolated runs (kills at steps 1-23 all gave 0.0); one full-suite run gave 3.7e-6, float32
+    # summation order in another process. A lost, repeated or mis-scheduled step moves weights by ~1e-4 or more.
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5
     assert any(not torch.equal(a[k], saved_weights(Path(tiny_model))[k]) for k in a), "training must change the weights"
     assert not (tmp_path / "resumed.state").exists()
 
@@ -1434,7 +1436,8 @@ def code_lines(text, doc_lines=frozenset()):
 
 def test_privact_py_reads_as_the_paper_then_the_machinery():
     """Part 1 (the paper) ends at the Part 2 banner, holds <= 600 code lines (no blanks, comments or
-    docstrings) and the method's sections in the paper's order; every function stays under 50 lines."""
+    docstrings) and the method's sections in the paper's order; the whole file holds <= 1,200 code
+    lines; every function stays under 50 lines."""
     import ast
     src = (HERE / "privact.py").read_text()
     tree = ast.parse(src)
@@ -1445,6 +1448,7 @@ def test_privact_py_reads_as_the_paper_then_the_machinery():
     banner = next(i for i, line in enumerate(lines, 1) if line.startswith("# PART 2: THE MACHINERY. A reader of the method may stop here"))
     part1 = [i for i in code_lines(src, docs) if i < banner]
     assert len(part1) <= 600, f"Part 1 has {len(part1)} code lines"
+    assert len(code_lines(src, docs)) <= 1200, f"privact.py has {len(code_lines(src, docs))} code lines"
     sections = ["# Data:", "# Prompts:", "# 3.2.1 ", "# The judge", "# 3.3 ", "# 3.2.2 ", "# DPO", "# 4.2 ", "# Zero-shot", "# The three"]
     at = [next(i for i, line in enumerate(lines[:banner]) if line.startswith(s)) for s in sections]
     assert at == sorted(at)
