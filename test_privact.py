@@ -370,6 +370,24 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
     assert "--split 'dev': use one of 'train', 'test', 'all'" in capsys.readouterr().err
 
 
+def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
+    """Literal fields take only their values, at_least fields their minimum, in every command, before
+    anything loads or is written: one line each, exit 2."""
+    for args, message in [(("collect", "--dtype", "fp8"), "--dtype 'fp8': use one of 'bfloat16', 'float32', 'float16'"),
+                          (("collect", "--chunk-cases", "0"), "--chunk-cases must be >= 1"),
+                          (("eval", "--baseline", "best"), "--baseline 'best': use one of '', 'vanilla', 'ppe', 'aifc'"),
+                          (("eval", "--k", "0"), "--k must be >= 1"),
+                          (("train", "--mixed-precision", "fp16"), "--mixed-precision 'fp16': use one of 'no', 'bf16'"),
+                          (("train", "--grad-accum", "0"), "--grad-accum must be >= 1")]:
+        assert run_cli(*args, "--out", tmp_path / "out") == 2, args
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit):
+        privact.main(["collect", "--help"])
+    assert "--dtype {bfloat16,float32,float16}" in capsys.readouterr().out  # --help lists a Literal field's values
+
+
 def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
     with pytest.raises(privact.UsageError, match="needs a"):
         privact.parse_topology("refiner,generator")
