@@ -74,8 +74,7 @@ NEEDS = {"generator": (), "verifier": (DRAFT_ROLES,), "refiner": (DRAFT_ROLES, (
 
 
 # --baseline -> (topology, prompt variant); SPEC.md section 9
-BASELINES = {"vanilla": ("generator", "naive"), "ppe": ("generator", "privacy_enhanced"),
-             "aifc": ("extractor,checker,executor", "naive")}
+BASELINES = {"vanilla": ("generator", "naive"), "ppe": ("generator", "privacy_enhanced"), "aifc": ("extractor,checker,executor", "naive")}
 
 
 EPOCHS_BY_ROLE = {"verifier": 12, "refiner": 4, "generator": 4}  # paper Appendix C.1
@@ -1235,8 +1234,7 @@ def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progr
     collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
     eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
     batches = math.ceil(math.ceil(len(train_ex) / cfg.batch_size) / accelerator.num_processes)  # per process, per epoch
-    plan = {"steps": min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf")), "epochs": epochs,
-            "collate": collate}
+    plan = {"steps": min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf")), "epochs": epochs, "collate": collate}
     model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -1853,6 +1851,9 @@ def main(argv=None):
               "smaller --batch-size to resume" + (" (and a larger --grad-accum for the same pairs per step)" if ns.command ==
                                                   "train" else " where it stopped"), file=sys.stderr)
         return 2
+    finally:  # stop gloo's worker threads while the interpreter still runs: left to its exit they can abort it (SIGABRT)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 
