@@ -195,7 +195,8 @@ def batch_engine_loop(records, cases, models, args, budget):
     judge, jtok = models["judge"]
     chats = [chat for root, case in zip(roots, cases) for leaf, path in privact.leaves_with_paths(root)
              for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), "privacylens")]
-    judge.generate_batch(warmup=torch.cuda.is_available(), continuous_batching_config=cb_config(args), inputs=[jtok(privact.chat_text(jtok, c), add_special_tokens=False)["input_ids"] for c in chats],
+    judge.generate_batch(warmup=torch.cuda.is_available(), continuous_batching_config=cb_config(args),
+                         inputs=[jtok(privact.chat_text(jtok, c), add_special_tokens=False)["input_ids"] for c in chats],
                          generation_config=GenerationConfig(max_new_tokens=args.judge_tokens, do_sample=False,
                                                             pad_token_id=jtok.pad_token_id, eos_token_id=jtok.eos_token_id))
 
@@ -266,7 +267,8 @@ def parse_args():
     ap.add_argument("--batch-size-train", type=int, default=8, help="DPO pairs per micro-batch (paper: 8)")
     ap.add_argument("--train-steps", type=int, default=4, help="timed DPO steps")
     ap.add_argument("--pairs", type=int, default=5000, help="pairs per role assumed for the training hours")
-    ap.add_argument("--stages", default=",".join(STAGES), help=f"stages to run, comma-separated, of {','.join(STAGES)} (peers replay collect's trees)")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"stages to run, comma-separated, of {','.join(STAGES)} (peers replay collect's trees)")
     args = ap.parse_args()
     args.stages = args.stages.split(",")
     if not set(args.stages) <= set(STAGES) or ("peers" in args.stages and "collect" not in args.stages):
@@ -332,7 +334,8 @@ def main():
     for stage, cases in (("collect", TRAIN_CASES), ("eval", TEST_CASES)):
         if stage in figures:
             figures[f"{stage}_seconds_per_case"] = figures[stage]["steady_seconds_per_case"]
-            hours[f"{stage}_{cases}_cases" + ("_per_configuration" if stage == "eval" else "")] = figures[stage]["steady_seconds_per_case"] * cases / 3600
+            name = f"{stage}_{cases}_cases" + ("_per_configuration" if stage == "eval" else "")
+            hours[name] = figures[stage]["steady_seconds_per_case"] * cases / 3600
     if "collect" in figures:
         figures["collect_tokens_per_case"] = figures["collect"]["tokens_per_case"]
     if "train" in args.stages:
