@@ -284,22 +284,18 @@ def generation_figures(models, tok, args):
     """collect, eval, decode and peers (those in --stages) -> one dict of figures (printed as they come)."""
     same_tool = lambda cases: [c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]]  # noqa: E731
     privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
-    figures = {}
-    if "collect" in args.stages:
-        figures["collect"], records = run_figures(same_tool(privact.load_cases("", "train"))[:args.cases + 1], [4, 4, 4], models, args,
-                                                  args.max_new_tokens)
-        print(f"collect: warm-up {figures['collect']['warmup_seconds']} s, then {figures['collect']['steady_seconds_per_case']} s "
-              f"per case ({figures['collect']['recompiles_after_warmup']} recompiles)", flush=True)
-    if "eval" in args.stages:
-        figures["eval"], _ = run_figures(same_tool(privact.load_cases("", "test"))[:args.cases + 1], [10, 1, 1], models, args,
-                                         args.max_new_tokens)
-        print(f"eval:    warm-up {figures['eval']['warmup_seconds']} s, then {figures['eval']['steady_seconds_per_case']} s per case "
-              f"({figures['eval']['recompiles_after_warmup']} recompiles)", flush=True)
+    figures, records = {}, {}
+    for stage, split, branching in (("collect", "train", [4, 4, 4]), ("eval", "test", [10, 1, 1])):
+        if stage in args.stages:
+            cases = same_tool(privact.load_cases("", split))[:args.cases + 1]
+            figures[stage], records[stage] = run_figures(cases, branching, models, args, args.max_new_tokens)
+            print(f"{stage + ':':8} warm-up {figures[stage]['warmup_seconds']} s, then {figures[stage]['steady_seconds_per_case']} s "
+                  f"per case ({figures[stage]['recompiles_after_warmup']} recompiles)", flush=True)
     if "decode" in args.stages:
         figures["decode_ms_per_step"] = decode_figures(models["generator"][0], tok, args)
     if "peers" in args.stages:
         by_name = {c["name"]: c for c in privact.load_cases("", "train")}
-        peer_records = records[:args.peer_cases]  # steady-state trees: the peers replay their prompts
+        peer_records = records["collect"][:args.peer_cases]  # steady-state trees: the peers replay their prompts
         figures["peers"] = peer_figures(peer_records, [by_name[r["case"]] for r in peer_records], models, args, args.max_new_tokens,
                                         figures["collect"]["steady_seconds_per_case"])
         print(f"peers:   {figures['peers']}", flush=True)
