@@ -260,13 +260,24 @@ def latest(path, roles):
     return next((out for role, out in reversed(path) if role in roles), "")
 
 
+def critiques_since_draft(path):
+    """The verifier outputs written after the latest draft, in order (paper 3.2.1: each agent
+    conditions on every response before it, so a second verifier reads the first's critique)."""
+    drafts = [i for i, (role, _) in enumerate(path) if role in DRAFT_ROLES]
+    return [out for role, out in path[drafts[-1] + 1 if drafts else 0:] if role == "verifier"]
+
+
 def build_chat(role, case, path, variant="naive"):
-    """Chat messages for `role`; `path` is [(role, output), ...] of the agents before it."""
+    """Chat messages for `role`; `path` is [(role, output), ...] of the agents before it. The default
+    chain's prompts are those of one critique; deeper chains number several (Table 3)."""
     system = P.SYSTEM_PRIVACY if variant == "privacy_enhanced" else P.SYSTEM_NAIVE
+    critiques = critiques_since_draft(path)
+    critique = critiques[0] if len(critiques) == 1 else "\n\n".join(
+        P.NUMBERED_CRITIQUE.format(n=n, text=text) for n, text in enumerate(critiques, 1)) or latest(path, ("verifier",))
     user = P.TASKS[role].format(
         context=case_context(case), final_action=case["trajectory"]["final_action"],
-        input_skeleton=input_skeleton(case["trajectory"]["final_action"]),
-        draft=latest(path, DRAFT_ROLES), critique=latest(path, ("verifier",)),
+        input_skeleton=input_skeleton(case["trajectory"]["final_action"]), draft=latest(path, DRAFT_ROLES), critique=critique,
+        earlier_critiques=P.EARLIER_CRITIQUES.format(critiques=critique) if critiques else "",
         facts=latest(path, ("extractor",)), labels=latest(path, ("checker",)))
     return [{"role": "system", "content": system.format(role_line=P.ROLE_LINES[role])}, {"role": "user", "content": user}]
 
@@ -751,9 +762,9 @@ def cmd_train(cfg):
     out = cfg.out or os.path.join(os.path.dirname(cfg.pairs) or ".", cfg.role)
     accelerator, state_dir, progress = start_training(cfg, out)
     model, tok = load_model(cfg.model, dtype=torch.float32, device=accelerator.device)  # float32 master weights
-    train_ex, eval_ex, stats = prepare_dpo_data(cfg, cfg.role, pairs, model, tok, accelerator, state_dir)
-    model, p = train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progress)
-    finish_training(cfg, out, accelerator, model, tok, p, {"train/pairs": len(train_ex), "eval/pairs": len(eval_ex), **stats,
+    data = prepare_dpo_data(cfg, cfg.role, pairs, tok, accelerator, state_dir)  # (train, held out, stats)
+    model, p = train_loop(cfg, model, tok, data, accelerator, state_dir, progress)
+    finish_training(cfg, out, accelerator, model, tok, p, {"train/pairs": len(data[0]), "eval/pairs": len(data[1]), **data[2],
                                                            "resumed_from_step": progress["step"] if progress else 0})
 
 
@@ -982,15 +993,25 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
                                                tok.pad_token_id, gen, num_return, processors, tokenizer=tok)
         new = out[:, width:]  # [len(idx) * num_return, new_tokens]
         n_tokens, n_prefilled = n_tokens + int((new != tok.pad_token_id).sum()), n_prefilled + n
-        decoded = [(s.split(stop)[0] if stop else s) for s in tok.batch_decode(new, skip_special_tokens=True)]
+        decoded = [(s.split(stop)[0] if stop else s) for s in decode_continuations(tok, out, width)]
         for j, i in enumerate(idx):
-            results[i] = [(prefixes[i] + s).strip() for s in decoded[j * num_return:(j + 1) * num_return]]
+            results[i] = [prefixes[i] + s for s in decoded[j * num_return:(j + 1) * num_return]]
         bar.update(len(idx) * num_return)
         bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     bar.close()
     if stats is not None:  # what was prefilled, and what generate(num_return_sequences=B) would prefill
         stats.update(prompt_tokens_prefilled=n_prefilled, prompt_tokens_plain=sum(map(len, token_ids)) * num_return)
     return results, n_tokens
+
+
+def decode_continuations(tok, out, width, tail=4):
+    """The exact text of each row's new tokens out[:, width:]: decoded after the prompt's last `tail`
+    tokens, whose own text is then cut off. Decoded alone, a sentencepiece decoder (Llama-2, Mistral)
+    drops the first token's leading space: 'Thought:' + '▁I ▁will' would be stored as 'Thought:I will'."""
+    heads = tok.batch_decode(out[:, max(0, width - tail):width], skip_special_tokens=True)
+    fulls = tok.batch_decode(out[:, max(0, width - tail):], skip_special_tokens=True)
+    return [full[len(head):] if full.startswith(head) else tok.decode(row[width:], skip_special_tokens=True)
+            for head, full, row in zip(heads, fulls, out)]
 
 
 ANSWER_SLOT = "\nAnswer:"
@@ -1227,9 +1248,11 @@ def start_training(cfg, out):
     return (accelerator, *open_train_state(cfg, out, accelerator))
 
 
-def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progress):
-    """Prepare model, optimizer and the eval loader with accelerate, resume from <out>.state's last
-    step if there is one, train (dpo_train_loop). -> (model, progress)."""
+def train_loop(cfg, model, tok, data, accelerator, state_dir, progress):
+    """Prepare model, optimizer and the eval loader with accelerate, add the reference log-probs
+    unless saved, resume from <out>.state's last step if there is one, train (dpo_train_loop).
+    -> (model, progress)."""
+    train_ex, eval_ex, _ = data
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(cfg.role, 4)
     collate = lambda b: collate_pairs(b, tok.pad_token_id)  # noqa: E731
     eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
@@ -1240,6 +1263,9 @@ def train_loop(cfg, model, tok, train_ex, eval_ex, accelerator, state_dir, progr
         model.activation_checkpointing_enable({"use_reentrant": False})
     # DeepSpeed reads the micro-batch size from a loader prepared with the model: the eval one
     model, optimizer, eval_loader = accelerator.prepare(model, make_optimizer(model, cfg, accelerator), eval_loader)
+    if "ref_chosen" not in train_ex[0]:
+        add_reference(model, tok, data, cfg, accelerator, state_dir)
+        model.train()
     if progress:
         accelerator.load_state(os.path.join(state_dir, progress["dir"]))
         rebuild_cpu_adam_cache(optimizer)
@@ -1367,22 +1393,47 @@ def load_pairs(source, role=""):
 
 
 def tokenize_pairs(tok, pairs, max_length):
-    """Prompt = the role's chat with the generation prompt (as in rollout); response = text + EOS.
-    A pair over max_length is cut in the middle of its prompt (where the trajectory is), or
-    skipped when even that cannot fit. Returns (examples, n_truncated, n_skipped)."""
-    ids = {key: tok([chat_text(tok, p["prompt"]) if key == "prompt" else p[key] for p in pairs], add_special_tokens=False)["input_ids"]
+    """Prompt = the role's chat with the generation prompt (as in rollout); response = text + EOS. A
+    response's tokens are those of prompt + text tokenized as one, split at the prompt's length: the
+    sampled tokens wherever the tokenizer allows (alone, a sentencepiece tokenizer reads 'Thought' as
+    '▁Thought'); where that split is not clean, the text alone (counted). A pair over max_length loses
+    the middle of the case's trajectory, nothing else (SPEC 8); one whose trajectory cannot absorb the
+    cut is skipped. Returns (examples, Counter of truncated, skipped and unclean_splits)."""
+    texts = [chat_text(tok, p["prompt"]) for p in pairs]
+    ids = {key: tok([t + p[key] if key != "prompt" else t for t, p in zip(texts, pairs)], add_special_tokens=False)["input_ids"]
            for key in ("prompt", "chosen", "rejected")}
-    examples, truncated, skipped = [], 0, 0
-    for prompt, chosen, rejected in zip(ids["prompt"], ids["chosen"], ids["rejected"]):
-        chosen, rejected = chosen + [tok.eos_token_id], rejected + [tok.eos_token_id]
-        keep = max_length - max(len(chosen), len(rejected))  # prompt tokens that fit
-        if len(prompt) > keep:
-            skipped, truncated = skipped + (keep < 64), truncated + (keep >= 64)
-            if keep < 64:
+    examples, counts = [], collections.Counter(truncated=0, skipped=0, unclean_splits=0)
+    for i, (text, prompt) in enumerate(zip(texts, ids["prompt"])):
+        responses = []
+        for key in ("chosen", "rejected"):
+            clean = ids[key][i][:len(prompt)] == prompt
+            counts["unclean_splits"] += not clean
+            alone = [] if clean else tok(pairs[i][key], add_special_tokens=False)["input_ids"]
+            responses.append((ids[key][i][len(prompt):] if clean else alone) + [tok.eos_token_id])
+        excess = len(prompt) + max(map(len, responses)) - max_length
+        if excess > 0:
+            prompt = cut_trajectory(tok, text, prompt, excess)
+            counts["truncated" if prompt else "skipped"] += 1
+            if not prompt:
                 continue
-            prompt = prompt[:keep // 2] + prompt[len(prompt) - (keep - keep // 2):]
-        examples.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return examples, truncated, skipped
+        examples.append({"prompt": prompt, "chosen": responses[0], "rejected": responses[1]})
+    return examples, counts
+
+
+def cut_trajectory(tok, text, prompt, excess):
+    """`prompt` (the tokens of `text`) without `excess` tokens from the middle of the case's past
+    trajectory (the slot of P.CONTEXT), every other token as it was; None when the trajectory has
+    fewer whole tokens than that, or the prompt has no such slot."""
+    before, after = P.CONTEXT.split("{trajectory}")
+    head, tail = before[before.rindex("## "):], after[:after.index("\n", 2)]  # its heading line; the next heading
+    start = text.find(head) + len(head)
+    end = text.find(tail, start) if start >= len(head) else -1
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    inside = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end]  # whole tokens of the trajectory
+    if len(inside) <= excess:
+        return None
+    keep = (len(inside) - excess) // 2
+    return prompt[:inside[keep]] + prompt[inside[keep + excess]:]
 
 
 def collate_pairs(examples, pad_id):
@@ -1507,30 +1558,37 @@ def return_freed_memory():
         pass  # not glibc: nothing to tune
 
 
-def prepare_dpo_data(cfg, role, pairs, model, tok, accelerator, state_dir):
-    """Tokenise, add reference log-probs (once), shuffle with the seed, hold out --eval-fraction.
-    -> (train examples, eval examples, stats). They are kept in <out>.state/reference.pt, so a
-    resumed run never recomputes them (a full pass over the data)."""
+def prepare_dpo_data(cfg, role, pairs, tok, accelerator, state_dir):
+    """Tokenise, shuffle with the seed, hold out --eval-fraction -> (train examples, eval examples,
+    stats); or, on a resumed run, all of that with its reference log-probs from <out>.state/reference.pt
+    (add_reference), so a resumed run never recomputes them (a full pass over the data)."""
     saved = os.path.join(state_dir, "reference.pt")
     if os.path.exists(saved):
         accelerator.print(f"reference log-probs and held-out split from {saved}")
         return torch.load(saved)
-    examples, truncated, skipped = tokenize_pairs(tok, pairs, cfg.max_length)
-    accelerator.print(f"{len(examples)} pairs for role {role}; {truncated} cut in the prompt's middle, "
-                      f"{skipped} skipped as too long for --max-length {cfg.max_length}")
+    examples, counts = tokenize_pairs(tok, pairs, cfg.max_length)
+    accelerator.print(f"{len(examples)} pairs for role {role}; {counts['truncated']} cut in the trajectory's middle, "
+                      f"{counts['skipped']} skipped as too long for --max-length {cfg.max_length}, "
+                      f"{counts['unclean_splits']} responses tokenized apart from their prompt")
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
-    start = time.time()
-    with accelerator.autocast():  # the same precision as the policy, so step 0 is exactly at log 2
-        reference_logps(model, examples, cfg.batch_size, tok.pad_token_id, accelerator.state)
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
-    stats = {"train/truncated_pairs": truncated, "train/skipped_pairs": skipped, "train/reference_seconds": round(time.time() - start, 1)}
-    data = (examples[n_eval:], examples[:n_eval], stats)
+    return examples[n_eval:], examples[:n_eval], {f"train/{k}_pairs" if k != "unclean_splits" else f"train/{k}": v
+                                                   for k, v in counts.items()}
+
+
+def add_reference(model, tok, data, cfg, accelerator, state_dir):
+    """Reference log-probs of every example by the prepared model, before its first step: in the
+    precision it trains in on every path (autocast bf16, DDP, DeepSpeed's own bf16 weights cast at
+    prepare), so step 0 sits at log 2. Saved in <out>.state/reference.pt with the split."""
+    start = time.time()
+    reference_logps(accelerator.unwrap_model(model), data[0] + data[1], cfg.batch_size, tok.pad_token_id, accelerator.state)
+    data[2]["train/reference_seconds"] = round(time.time() - start, 1)
+    saved = os.path.join(state_dir, "reference.pt")
     if accelerator.is_main_process:
         torch.save(data, saved + ".tmp")
         os.replace(saved + ".tmp", saved)
-    return data
 
 
 def epoch_loader(examples, epoch, cfg, collate, accelerator, skip=0):

@@ -922,7 +922,7 @@ def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
     gen = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     for chat, (text,) in zip(chats, outs):
         ids = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
-        assert text == tok.decode(plain_generate(model, tok, [ids], gen)[0], skip_special_tokens=True).strip()
+        assert text == tok.decode(plain_generate(model, tok, [ids], gen)[0], skip_special_tokens=True)  # exact, unstripped
     assert stats["prompt_tokens_prefilled"] < stats["prompt_tokens_plain"] / 2  # each case's context once per batch
 
 
@@ -951,6 +951,84 @@ def test_sampling_is_deterministic_under_a_seed(tiny_model):
     assert runs[0] == runs[1] and len(set(runs[0][0])) > 1  # same seed, same samples; samples differ
 
 
+def sentencepiece_model(folder):
+    """A random Llama on a sentencepiece-style LlamaTokenizer (the class Mistral-7B-Instruct-v0.2 loads
+    as): one token per character, '▁' for a space, a Mistral-like [INST] template. Alone, such a
+    tokenizer reads 'Thought' as '▁Thought', and its decoder drops a first token's leading space."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+    chars = [c for c in map(chr, range(33, 127))] + ["▁", "<0x0A>"]
+    tok = LlamaTokenizer(vocab={t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}, merges=[])
+    tok.chat_template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+                         "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=2,
+                                 pad_token_id=2)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return privact.load_model(str(folder))
+
+
+def test_sentencepiece_outputs_are_the_sampled_text_and_dpo_trains_on_the_sampled_tokens(tmp_path, monkeypatch):
+    """Generator samples after the 'Thought:' prefix: each stored output is the exact text of its
+    sampled tokens (a first '▁' is a space, not dropped), and DPO's response tokens are those tokens."""
+    model, tok = sentencepiece_model(tmp_path / "sp")
+    sampled, real = [], model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: sampled.append(real(**kw)) or sampled[-1])
+    chats = [privact.build_chat("generator", make_case(f"c{i}"), []) for i in range(2)]
+    torch.manual_seed(0)
+    outs, _ = privact.generate_batched(model, tok, chats, 64, 6, 128, prefix=privact.P.ACTION_PREFIX)
+    out, = sampled
+    width = out.shape[1] - 6
+    first_space = 0
+    for row, text in zip(out, [t for texts in outs for t in texts]):
+        new = [t for t in row[width:].tolist() if t != tok.eos_token_id]  # right-padded with EOS after it
+        pieces = tok.convert_ids_to_tokens(new)
+        assert text == "Thought:" + "".join(p for p in pieces if p not in ("<s>", "<unk>")).replace("▁", " ").replace("<0x0A>", "\n")
+        first_space += pieces[:1] == ["▁"]
+        if not {"<s>", "<unk>"} & set(pieces):  # special tokens mid-text do not come back from their text
+            chat = chats[0] if text in outs[0] else chats[1]
+            (example,), _ = privact.tokenize_pairs(tok, [{"prompt": chat, "chosen": text, "rejected": text + "x"}], 4096)
+            prompt_ids = tok(privact.chat_text(tok, chat) + "Thought:", add_special_tokens=False)["input_ids"]
+            assert example["prompt"] + example["chosen"][:-1] == prompt_ids + new  # the rollout's tokens, in order
+    assert first_space, "some sample must start with '▁' for the decoding check to bite"
+    assert tok.convert_ids_to_tokens(tok("Thought:", add_special_tokens=False)["input_ids"])[0] == "▁"  # alone: '▁Thought'
+
+
+DEFAULT_CHAIN_PROMPTS = {  # sha256[:16] of json.dumps(build_chat(...)) before deeper chains read every critique
+    "generator/naive": "47c7a565ce723ea7", "verifier/naive": "a8a0cfda1e4dea71", "refiner/naive": "c2476be5e1f1c25d",
+    "generator/privacy_enhanced": "600b0f2f83635ef3", "verifier/privacy_enhanced": "3f68f54fed524b5e",
+    "refiner/privacy_enhanced": "4de4098eea287f27", "extractor/naive": "afa682621511b268",
+    "checker/naive": "cedfb9e3775b52c0", "executor/naive": "28b3437e2019e98d"}
+
+
+def test_default_chain_prompts_are_byte_identical():
+    import hashlib
+    case, got = privact.load_cases("", "train")[0], {}
+    path = [("generator", "Thought: draft text\nAction: X"), ("verifier", "critique one"), ("refiner", "refined")]
+    aifc = [("extractor", "- f1"), ("checker", "- f1 -> private")]
+    for variant in ("naive", "privacy_enhanced"):
+        for i, role in enumerate(["generator", "verifier", "refiner"]):
+            got[f"{role}/{variant}"] = privact.build_chat(role, case, path[:i], variant)
+    for i, role in enumerate(["extractor", "checker", "executor"]):
+        got[f"{role}/naive"] = privact.build_chat(role, case, aifc[:i])
+    assert {k: hashlib.sha256(json.dumps(v).encode()).hexdigest()[:16] for k, v in got.items()} == DEFAULT_CHAIN_PROMPTS
+
+
+def test_deeper_chains_read_every_critique_since_the_latest_draft():
+    """G-V-V-R: the second verifier reads the draft and the first critique; the refiner both critiques,
+    in order. G-V-R-V-R: the second verifier and refiner read the refined draft and only its critique."""
+    case = make_case("c")
+    user = lambda role, path: privact.build_chat(role, case, path)[1]["content"]  # noqa: E731
+    g, v1, v2, r1 = ("generator", "DRAFT-G"), ("verifier", "CRIT-1"), ("verifier", "CRIT-2"), ("refiner", "DRAFT-R")
+    second = user("verifier", [g, v1])
+    assert "## Proposed action\nDRAFT-G\n\n## Critiques already written on it\nCRIT-1\n\n## Your task" in second
+    refiner = user("refiner", [g, v1, v2])
+    assert "## Reviewer's critique\nCritique 1:\nCRIT-1\n\nCritique 2:\nCRIT-2\n\n## Your task" in refiner
+    for text in (user("verifier", [g, v1, r1]), user("refiner", [g, v1, r1, v2])):
+        assert "DRAFT-R" in text and "DRAFT-G" not in text and "CRIT-1" not in text and "Critiques already" not in text
+    assert "## Reviewer's critique\nCRIT-2\n" in user("refiner", [g, v1, r1, v2])
+
+
 # ----------------------------------------------------------------------------------------------
 # train end to end on the tiny model
 # ----------------------------------------------------------------------------------------------
@@ -967,7 +1045,7 @@ def dpo_loss_of(model_path, ref_path, pairs):
     """Mean DPO loss of a saved policy vs the base model on `pairs`, computed independently."""
     policy, tok = privact.load_model(model_path)
     ref, _ = privact.load_model(ref_path)
-    examples, _, _ = privact.tokenize_pairs(tok, pairs, 4096)
+    examples, _ = privact.tokenize_pairs(tok, pairs, 4096)
     lp, lr = [], []
     with torch.no_grad():  # one unpadded sequence at a time: no padding or masking to get wrong
         for key in ("chosen", "rejected"):
@@ -1036,6 +1114,48 @@ def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
     # reference under the same autocast, LM head in float32 for both: measured 1.9e-9 off; a bf16 reference
     # head gave 6.7e-4, a reference outside autocast 4.6e-5
     assert hist[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_long_pairs_lose_the_middle_of_the_trajectory_only(tiny_model):
+    """A refiner pair with a long draft and critique over --max-length: the cut tokens all lie inside the
+    case's trajectory, every other token (instruction, headings, draft, critique) survives in place;
+    a pair whose trajectory is shorter than the cut is skipped and counted."""
+    _, tok = privact.load_model(tiny_model)
+    case = make_case("c")
+    case["trajectory"]["executable_trajectory"] = "Observation: " + " ".join(f"note {i}" for i in range(150))
+    chat = privact.build_chat("refiner", case, [("generator", "Thought: " + "draft " * 250), ("verifier", "critique " * 200)])
+    pair = {"prompt": chat, "chosen": "Thought: fine", "rejected": "Thought: leak it"}
+    text = privact.chat_text(tok, chat)
+    full = tok(text, add_special_tokens=False)["input_ids"]
+    longer = len(tok(pair["rejected"], add_special_tokens=False)["input_ids"]) + 1  # + EOS
+    max_length = len(full) + longer - 500  # 500 tokens too long
+    (example,), counts = privact.tokenize_pairs(tok, [pair], max_length)
+    assert counts == {"truncated": 1, "skipped": 0, "unclean_splits": 0}
+    assert len(example["prompt"]) + len(example["rejected"]) == max_length
+    k = len(os.path.commonprefix([full, example["prompt"]]))
+    assert example["prompt"] == full[:k] + full[k + 500:]  # one cut of 500 tokens, the rest token for token
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = text.index(case["trajectory"]["executable_trajectory"])
+    assert all(start <= a and b <= start + len(case["trajectory"]["executable_trajectory"]) for a, b in offsets[k:k + 500])
+    kept = tok.decode(example["prompt"])
+    assert all(part in kept for part in ("## Your task", "## Proposed action", "## Reviewer's critique", "draft " * 250, "critique " * 200))
+    _, counts = privact.tokenize_pairs(tok, [pair], len(full) + longer - 2000)
+    assert counts == {"truncated": 0, "skipped": 1, "unclean_splits": 0}
+
+
+def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
+    """The paper's recipe (accelerate launch --use_deepspeed ... --mixed_precision bf16): DeepSpeed casts the
+    weights to bf16 at prepare, and the reference is taken after it, so policy and reference agree at step 0
+    (a float32 reference taken before prepare put the tiny model's step 0 at 0.6931723)."""
+    pytest.importorskip("deepspeed")
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 4)
+    cmd = train_cmd(pairs, tmp_path / "ds", tiny_model, "--max-steps", "1", deepspeed=True)
+    done = subprocess.run(cmd[:3] + ["--mixed_precision", "bf16"] + cmd[3:], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "ds" / "train_metrics.json").read_text())
+    assert metrics["deepspeed"] and metrics["history"][0]["train/chosen_reward"] == 0.0
+    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 def test_train_bad_inputs(tmp_path, tiny_model, capsys):
