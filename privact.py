@@ -31,6 +31,7 @@ PrivacyLens' action-based evaluation), vLLM and LoRA.
 """
 import argparse
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import glob
@@ -43,7 +44,9 @@ import re
 import resource
 import shutil
 import sys
+import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -96,10 +99,10 @@ class UsageError(Exception):
 # ----------------------------------------------------------------------------------------------
 
 
-def opt(default, help, at_least=None, **argparse_kw):
-    """A config field: its --help line, an optional minimum (check_flags) and any argparse keywords.
-    A field typed Literal[...] takes only those values."""
-    return field(default=default, metadata={"help": help, "at_least": at_least, **argparse_kw})
+def opt(default, help, within=None, **argparse_kw):
+    """A config field: its --help line, the interval its values must lie in ('[0, 1]', '(0, inf)';
+    check_flags) and any argparse keywords. A field typed Literal[...] takes only those values."""
+    return field(default=default, metadata={"help": help, "within": within, **argparse_kw})
 
 
 @dataclass
@@ -107,17 +110,21 @@ class RolloutConfig:
     """Flags shared by collect and eval: what is sampled, by which model, how fast."""
     data: str = opt("", "PrivacyLens main_data.json or hub id (SALT-NLP/PrivacyLens); confaide: a folder of tier files; empty = data/")
     split: Literal["train", "test", "all"] = opt("train", "train: 394 cases, test: 99; the released seed-42 split")
-    num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)", 0)
+    num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)", "[0, inf)")
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
-    judge_model: str = opt("", "judge model (default: the --model); the paper used Mistral-7B-Instruct-v0.2")
+    judge_model: str = opt("", "judge model (default: the --model; with --judge-url, the name it is served under); the paper's: Mistral-7B-Instruct-v0.2")
+    judge_url: str = opt("", "a served judge instead of a loaded one: OpenAI-compatible base URL (vLLM, SGLang, TGI, transformers serve), "
+                             "e.g. http://127.0.0.1:8000/v1; the key, if any, from $OPENAI_API_KEY")
+    judge_concurrency: int = opt(256, "--judge-url: requests in flight at once, for the server to batch (vLLM's default max_num_seqs)", "[1, inf)")
+    judge_retries: int = opt(5, "--judge-url: retries of a request after a connection error, timeout, 429 or 5xx (waits 1, 2, 4, ... s)", "[0, inf)")
     topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
     prompt: Literal["naive", "privacy_enhanced"] = opt("naive", "system-line variant (privacy_enhanced: the PPE baseline)")
-    max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", 1)
+    max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", "[1, inf)")
     judge_protocol: Literal["privacylens", "strict"] = opt("privacylens", "PrivacyLens's prompts and parsers (the paper's), or ours")
-    judge_max_new_tokens: int = opt(0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)", 0)
-    temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)")
-    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error", 1)
-    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", 1)
+    judge_max_new_tokens: int = opt(0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)", "[0, inf)")
+    temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)", "(0, inf)")
+    batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error", "[1, inf)")
+    chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", "[1, inf)")
     dtype: Literal["bfloat16", "float32", "float16"] = opt("bfloat16", "weights dtype for generation (bfloat16: the paper's)")
     seed: int = opt(0, "seed for sampling; each chunk of cases reseeds from it")
 
@@ -127,11 +134,11 @@ class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
-    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)", 0)
-    b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)")
-    b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)")
-    alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)")
-    beta: float = opt(2.0, "LC-ARS helpfulness exponent beta (Eq. 1)")
+    min_pairs: int = opt(0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)", "[0, inf)")
+    b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)", "[-1, 1]")
+    b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)", "[0, 1]")
+    alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)", "[0, inf)")
+    beta: float = opt(2.0, "LC-ARS helpfulness exponent beta (Eq. 1)", "[0, inf)")
 
 
 @dataclass
@@ -140,22 +147,22 @@ class TrainConfig:
     role: str = opt("", "role to train (default: the role in the pairs file; must match it)")
     model: str = opt("smollm2", "base model to fine-tune: short name, hub id or local folder")
     out: str = opt("", "output folder for the checkpoint (default: <pairs folder>/<role>)")
-    beta: float = opt(0.4, "DPO beta (paper's released config)")
-    lr: float = opt(5e-7, "peak learning rate (released config 5e-7; the paper's text says 5e-5)")
-    batch_size: int = opt(8, "pairs per device per micro-batch", 1)
-    grad_accum: int = opt(4, "micro-batches per optimizer step (8 x 4 = the paper's 32)", 1)
-    epochs: int = opt(0, "epochs (0 = by role: verifier 12, refiner 4, generator 4)", 0)
-    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no cap)", 0)
-    warmup_ratio: float = opt(0.1, "share of optimizer steps with linear warmup before cosine decay")
-    weight_decay: float = opt(0.0, "AdamW weight decay")
-    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)")
-    eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss")
-    eval_every: int = opt(50, "optimizer steps between eval-loss measurements", 1)
+    beta: float = opt(0.4, "DPO beta (paper's released config)", "(0, inf)")
+    lr: float = opt(5e-7, "peak learning rate (released config 5e-7; the paper's text says 5e-5)", "(0, inf)")
+    batch_size: int = opt(8, "pairs per device per micro-batch", "[1, inf)")
+    grad_accum: int = opt(4, "micro-batches per optimizer step (8 x 4 = the paper's 32)", "[1, inf)")
+    epochs: int = opt(0, "epochs (0 = by role: verifier 12, refiner 4, generator 4)", "[0, inf)")
+    max_steps: int = opt(0, "stop after this many optimizer steps (0 = no cap)", "[0, inf)")
+    warmup_ratio: float = opt(0.1, "share of optimizer steps with linear warmup before cosine decay", "[0, 1]")
+    weight_decay: float = opt(0.0, "AdamW weight decay", "[0, inf)")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)", "[0, inf)")
+    eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss", "[0, 1)")
+    eval_every: int = opt(50, "optimizer steps between eval-loss measurements", "[1, inf)")
     max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
     mixed_precision: Literal["no", "bf16"] = opt("no", "bf16: autocast, float32 master weights; accelerate launch flags win")
     gradient_checkpointing: bool = opt(True, "recompute activations in backward (long prompts)", action=argparse.BooleanOptionalAction)
-    log_every: int = opt(1, "optimizer steps between log lines", 1)
-    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume", 0)
+    log_every: int = opt(1, "optimizer steps between log lines", "[1, inf)")
+    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume", "[0, inf)")
     keep_state: bool = opt(False, "keep <out>.state after the final checkpoint is saved", action=argparse.BooleanOptionalAction)
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
@@ -164,19 +171,19 @@ class TrainConfig:
 class EvalConfig(RolloutConfig):
     split: Literal["train", "test", "all"] = opt("test", "test: the 99 held-out cases")
     out: str = opt("runs/eval", "output folder: rollouts.jsonl (per-sample records) and report.json")
-    k: int = opt(10, "privacylens: samples per case, branching K,1,1 (first agent samples, later ones greedy)", 1)
+    k: int = opt(10, "privacylens: samples per case, branching K,1,1 (first agent samples, later ones greedy)", "[1, inf)")
     baseline: Literal["", "vanilla", "ppe", "aifc"] = opt("", "a baseline's chain and prompt instead of --topology and --prompt")
     generator: str = opt("", "model for the generator role (default: --model)")
     verifier: str = opt("", "model for the verifier role, e.g. a trained checkpoint (default: --model)")
     refiner: str = opt("", "model for the refiner role, e.g. a trained checkpoint (default: --model)")
     label: str = opt("", "name in tables (default: the baseline or the roles trained; confaide: the model's folder)")
-    bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals", 1)
+    bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals", "[1, inf)")
     compare: tuple = opt((), "print these report.json files side by side and exit", nargs="+")
     plot: str = opt("", "with --compare: draw the paper's Figure 2 from the PrivacyLens reports into this PNG (matplotlib)")
     benchmark: Literal["privacylens", "confaide"] = opt("privacylens", "the agent chain, or ConfAIde tiers 3-4 asked of --model (Table 2)")
     tiers: str = opt("3,4", "confaide: tiers to run (tier 3: FR, IA, PS; tier 4: MS, AI)")
-    samples: int = opt(10, "confaide: sampled answers per prompt", 1)
-    max_new_tokens: int = opt(0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)", 0)
+    samples: int = opt(10, "confaide: sampled answers per prompt", "[1, inf)")
+    max_new_tokens: int = opt(0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)", "[0, inf)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,9 +470,9 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size, protocol, stats=None
         chats += mine
         owners += [(leaf, "leak", j["leaks"], i) for i in range(len(mine) - 1)] + [(leaf, "help", j, "helpfulness")] * bool(mine)
     strict = protocol == "strict"
-    outs, n_tokens = generate_batched(*judge, chats, 1, max_new_tokens, batch_size, "judge", stats=stats,
-                                      answer_slot=[VERDICT_WORDS[kind] for _, kind, _, _ in owners] if strict else None,
-                                      stop=None if strict else "\n\n---")
+    generate = judge if callable(judge) else functools.partial(generate_batched, *judge)  # (model, tokenizer): loaded here
+    outs, n_tokens = generate(chats, 1, max_new_tokens, batch_size, "judge", stats=stats, stop=None if strict else "\n\n---",
+                              answer_slot=[VERDICT_WORDS[kind] for _, kind, _, _ in owners] if strict else None)
     for (leaf, kind, into, key), (text,) in zip(owners, outs):
         leaf.judgment["judge_outputs"].append(text)
         into[key] = judge_verdict(text, kind, protocol)
@@ -483,7 +490,8 @@ def rollout_chunk(cases, roles, branching, models, variants, cfg):
     start, stats = time.time(), collections.Counter()
     roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size, cfg.temperature, stats)
     leaves = [(leaf, case, path) for root, case in zip(roots, cases) for leaf, path in leaves_with_paths(root)]
-    n_judge = judge_leaves(leaves, models["judge"], cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)
+    judge = models.get("judge") or functools.partial(judge_endpoint, cfg)  # --judge-url: a served judge, none loaded
+    n_judge = judge_leaves(leaves, judge, cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)
     counts = {"generated_tokens": n_gen, "judge_tokens": n_judge, **stats, "seconds": time.time() - start}
     return [{"case": c["name"], "tree": dataclasses.asdict(r), **{k: round(v / len(cases), 1) for k, v in counts.items()}}
             for r, c in zip(roots, cases)]
@@ -750,7 +758,8 @@ def cmd_collect(cfg):
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants,
                              models={"policy": cfg.model, "judge": paths["judge"]})
     work = lambda models, names: rollout_chunk([split[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_until_pairs(cfg, list(split), flags, paths, work, lambda recs: pairs_from_records(recs, taus, reward_kw)[0])
+    records = run_until_pairs(cfg, list(split), flags, local_models(paths, cfg), work,
+                              lambda recs: pairs_from_records(recs, taus, reward_kw)[0])
     if records is not None:  # the main process writes what every process rolled out
         pairs, stats = pairs_from_records(records, taus, reward_kw)
         write_collect_outputs(cfg, records, pairs, stats, taus)
@@ -784,7 +793,7 @@ def eval_privacylens(cfg):
     branching = [cfg.k] + [1] * (len(roles) - 1)  # SPEC.md 9: the first agent samples, the rest greedy
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants, models=paths)
     work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
+    records = run_stage(cfg.out, list(cases), flags, local_models(paths, cfg), cfg.dtype, work, cfg)
     if records is not None:
         samples = [[leaf.judgment for leaf, _ in leaves_with_paths(node_from_dict(records[n]["tree"]))] for n in cases]
         report = {"benchmark": "privacylens", "judge_protocol": cfg.judge_protocol, "label": label,
@@ -1049,6 +1058,68 @@ def open_answer_slot(tok, budget, slot, options, stop_ids):
 
 
 # ----------------------------------------------------------------------------------------------
+# A served judge: any OpenAI-compatible endpoint (vLLM, SGLang, TGI, transformers serve), stdlib only
+# ----------------------------------------------------------------------------------------------
+
+
+def judge_endpoint(cfg, chats, num_return, max_new_tokens, batch_size, desc="judge", stats=None, answer_slot=None, stop=None):
+    """generate_batched's stand-in for --judge-url: each chat one POST {url}/chat/completions, greedy
+    (temperature 0) up to max_tokens, cut at `stop` as the local judge cuts; --judge-concurrency in
+    flight so that the server batches them. -> ([[text] per chat], completion tokens from `usage`).
+    The server applies its own chat template: tokenization (BOS included) is the server's."""
+    assert num_return == 1 and answer_slot is None, "a served judge decodes greedily, without an answer slot"
+    url, abort = cfg.judge_url.rstrip("/") + "/chat/completions", threading.Event()
+
+    def judge_one(chat):
+        reply = post_json(url, {"model": cfg.judge_model, "messages": chat, "temperature": 0, "max_tokens": max_new_tokens,
+                                **({"stop": [stop]} if stop else {})}, cfg.judge_retries, abort)
+        try:
+            text, usage = reply["choices"][0]["message"]["content"] or "", reply.get("usage") or {}
+        except (KeyError, IndexError, TypeError):
+            raise UsageError(f"--judge-url {cfg.judge_url}: the reply is not a chat completion ({str(reply)[:160]!r})")
+        return (text.split(stop)[0] if stop else text), int(usage.get("completion_tokens", 0))
+    pool, start, n_tokens = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency), time.time(), 0
+    futures = [pool.submit(judge_one, chat) for chat in chats]
+    try:
+        with tqdm(total=len(chats), desc=desc, unit="seq", leave=False) as bar:
+            for done in concurrent.futures.as_completed(futures):
+                n_tokens += done.result()[1]
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
+    finally:  # on a failure: the requests not yet sent are dropped, those waiting to retry give up
+        abort.set()
+        pool.shutdown(cancel_futures=True)
+    return [[f.result()[0]] for f in futures], n_tokens
+
+
+JUDGE_TIMEOUT_S = 3600  # one request's longest wait: a busy server may queue it behind many 1,000-token answers
+
+
+def post_json(url, body, retries, abort):
+    """POST `body` as JSON -> the decoded reply. Connection errors, timeouts, 429 and 5xx are retried
+    `retries` times after 1, 2, 4, ... s; then, or at once on another status, one UsageError line
+    naming the URL and the status or cause. $OPENAI_API_KEY, when set, goes only into the header."""
+    key = os.environ.get("OPENAI_API_KEY", "")
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                      **({"Authorization": f"Bearer {key}"} if key else {})})
+    for attempt in range(retries + 1):
+        try:
+            with urllib.request.urlopen(request, timeout=JUDGE_TIMEOUT_S) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            cause = f"HTTP {e.code} {e.reason}: {e.read().decode(errors='replace')[:200]}"
+            if e.code != 429 and e.code < 500:
+                break
+        except (OSError, ValueError) as e:  # refused, reset, timed out; a reply that is not JSON
+            cause = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+        if attempt == retries or abort.wait(2 ** attempt):  # another request already failed for good
+            break
+    abort.set()
+    cause = " ".join(cause.replace(key, "***").split()) if key else " ".join(cause.split())
+    raise UsageError(f"--judge-url {url}: {cause} (after {attempt + 1} tries); finished chunks are kept, rerun to resume")
+
+
+# ----------------------------------------------------------------------------------------------
 # Files and runs: data files, resume, sharding over processes (SPEC.md sections 3, 10 and 13)
 # ----------------------------------------------------------------------------------------------
 
@@ -1291,13 +1362,22 @@ def finish_training(cfg, out, accelerator, model, tok, p, metrics):
 def generation_flags(cfg, **shape):
     """The flags that shape a run's generations (config.json); resuming needs the same ones."""
     keys = ("data", "max_new_tokens", "temperature", "chunk_cases", "dtype", "seed", "judge_max_new_tokens", "judge_protocol")
-    return {**{k: getattr(cfg, k) for k in keys}, **shape}
+    return {**{k: getattr(cfg, k) for k in keys}, **({"judge_url": cfg.judge_url} if getattr(cfg, "judge_url", "") else {}), **shape}
+
+
+def local_models(paths, cfg):
+    """{role: model path} that this process loads: every one but a served judge's (--judge-url)."""
+    return {role: path for role, path in paths.items() if role != "judge" or not cfg.judge_url}
 
 
 def check_rollout_flags(cfg):
     """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 resolved."""
-    if cfg.temperature <= 0:
-        raise UsageError("--temperature must be > 0 (levels of width 1 decode greedily anyway)")
+    needs = cfg.judge_url and ("--judge-protocol privacylens: strict writes the judge's answer slot itself, which a server "
+                               "cannot" if cfg.judge_protocol != "privacylens" else "--judge-model, the name the server serves "
+                               "the judge under" if not cfg.judge_model else "an http:// or https:// URL" * (
+                                   not cfg.judge_url.startswith(("http://", "https://"))))
+    if needs:
+        raise UsageError(f"--judge-url needs {needs}")
     return dataclasses.replace(cfg, judge_max_new_tokens=cfg.judge_max_new_tokens or (1000 if cfg.judge_protocol == "privacylens" else 256))
 
 
@@ -1307,8 +1387,8 @@ def parse_taus(text, roles):
         taus = {role: float(value) for role, _, value in (p.strip().partition("=") for p in text.split(",") if p.strip())}
     except ValueError:
         taus = {"": math.nan}
-    if not set(taus) <= set(roles) or any(math.isnan(tau) for tau in taus.values()):
-        raise UsageError(f"--tau {text!r}: expected role=number for roles of the topology {','.join(roles)}")
+    if not set(taus) <= set(roles) or any(not -1 <= tau <= 1 for tau in taus.values()):  # rewards lie in [-1, 1]
+        raise UsageError(f"--tau {text!r}: expected role=number in [-1, 1] for roles of the topology {','.join(roles)}")
     return taus
 
 
@@ -1861,11 +1941,12 @@ def format_confaide_table(reports):
 
 def add_config_args(parser, cls):
     for f in dataclasses.fields(cls):
-        kw = {k: v for k, v in f.metadata.items() if k not in ("help", "at_least")}
+        kw = {k: v for k, v in f.metadata.items() if k not in ("help", "within")}
         if "nargs" not in kw and "action" not in kw:
             kw["type"] = type(f.default)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, metavar=choices_of(f) or None,
-                            help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s)", **kw)
+                            help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s" +
+                            (f"; in {f.metadata['within']})" if f.metadata["within"] else ")"), **kw)
 
 
 def choices_of(f):
@@ -1874,13 +1955,16 @@ def choices_of(f):
 
 
 def check_flags(cfg):
-    """The checks the config declares, each a one-line UsageError: a Literal field's values, a minimum."""
+    """The checks the config declares, each a one-line UsageError: a Literal field's values, an interval
+    (finite values only: nan and inf are refused)."""
     for f in dataclasses.fields(cfg):
-        value, flag, least = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("at_least")
+        value, flag, within = getattr(cfg, f.name), "--" + f.name.replace("_", "-"), f.metadata.get("within")
         if choices_of(f) and value not in get_args(f.type):
             raise UsageError(f"{flag} {value!r}: use one of {', '.join(map(repr, get_args(f.type)))}")
-        if least is not None and not value >= least:  # `not >=` also refuses NaN
-            raise UsageError(f"{flag} must be >= {least}")
+        lo, hi = (float(x) for x in within[1:-1].split(",")) if within else (0, 0)
+        if within and not (math.isfinite(value) and (lo < value if within[0] == "(" else lo <= value) and
+                           (value < hi if within[-1] == ")" else value <= hi)):
+            raise UsageError(f"{flag} {value!r}: must be a finite number in {within}")
     return cfg
 
 

@@ -371,21 +371,31 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
 
 
 def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
-    """Literal fields take only their values, at_least fields their minimum, in every command, before
-    anything loads or is written: one line each, exit 2."""
+    """Literal fields take only their values, every number its declared interval (finite values only), in
+    every command, before anything loads or is written: one line each, exit 2."""
     for args, message in [(("collect", "--dtype", "fp8"), "--dtype 'fp8': use one of 'bfloat16', 'float32', 'float16'"),
-                          (("collect", "--chunk-cases", "0"), "--chunk-cases must be >= 1"),
+                          (("collect", "--chunk-cases", "0"), "--chunk-cases 0: must be a finite number in [1, inf)"),
+                          (("collect", "--b1", "nan"), "--b1 nan: must be a finite number in [-1, 1]"),
+                          (("collect", "--b2", "1.5"), "--b2 1.5: must be a finite number in [0, 1]"),
+                          (("collect", "--alpha", "inf"), "--alpha inf: must be a finite number in [0, inf)"),
+                          (("collect", "--beta=-inf"), "--beta -inf: must be a finite number in [0, inf)"),
+                          (("collect", "--tau", "verifier=inf"), "--tau 'verifier=inf': expected role=number in [-1, 1]"),
+                          (("eval", "--temperature", "0"), "--temperature 0.0: must be a finite number in (0, inf)"),
                           (("eval", "--baseline", "best"), "--baseline 'best': use one of '', 'vanilla', 'ppe', 'aifc'"),
-                          (("eval", "--k", "0"), "--k must be >= 1"),
+                          (("eval", "--k", "0"), "--k 0: must be a finite number in [1, inf)"),
                           (("train", "--mixed-precision", "fp16"), "--mixed-precision 'fp16': use one of 'no', 'bf16'"),
-                          (("train", "--grad-accum", "0"), "--grad-accum must be >= 1")]:
+                          (("train", "--beta", "nan"), "--beta nan: must be a finite number in (0, inf)"),
+                          (("train", "--lr", "0"), "--lr 0.0: must be a finite number in (0, inf)"),
+                          (("train", "--eval-fraction", "1"), "--eval-fraction 1.0: must be a finite number in [0, 1)"),
+                          (("train", "--grad-accum", "0"), "--grad-accum 0: must be a finite number in [1, inf)")]:
         assert run_cli(*args, "--out", tmp_path / "out") == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
     with pytest.raises(SystemExit):
         privact.main(["collect", "--help"])
-    assert "--dtype {bfloat16,float32,float16}" in capsys.readouterr().out  # --help lists a Literal field's values
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {bfloat16,float32,float16}" in shown and "(default: 0.3; in [0, 1])" in shown  # values, intervals
 
 
 def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
@@ -400,7 +410,7 @@ def test_tau_and_branching_flags():
     roles = ["generator", "verifier", "refiner"]
     assert privact.parse_taus("verifier=1e-3, refiner=-.5", roles) == {"verifier": 0.001, "refiner": -0.5}
     assert privact.parse_branching("4,4,4", roles) == [4, 4, 4]
-    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier"):
+    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier", "refiner=inf", "refiner=1.5"):
         with pytest.raises(privact.UsageError, match="role=number"):
             privact.parse_taus(bad, roles)
     for bad in ("4,4", "4,x,4", "4,0,4", "4,4,4,4"):
@@ -826,6 +836,163 @@ def test_judge_protocol_recorded_and_resume_refuses_a_change(tmp_path, data_file
     report = json.loads((out / "report.json").read_text())
     assert report["judge_protocol"] == "privacylens" and json.loads((out / "config.json").read_text())["judge_max_new_tokens"] == 1000
     assert "judge protocol" in capsys.readouterr().out and "privacylens" in privact.format_table([report])
+
+
+# ----------------------------------------------------------------------------------------------
+# the judge on a server (--judge-url): a real `transformers serve`, and a recording server for the key
+# ----------------------------------------------------------------------------------------------
+
+SERVING_PIP = 'pip install fastapi uvicorn "openai>=1.98" rich starlette'
+
+
+def free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_transformers_serve(model_dir, port, log):
+    """`transformers serve MODEL_DIR` on 127.0.0.1:port (CPU, float32), ready to answer, or a skip
+    naming the pip command when the serving extras are missing."""
+    from transformers.utils.import_utils import is_serve_available
+    if not is_serve_available():
+        pytest.skip(SERVING_PIP)
+    import urllib.request
+    proc = subprocess.Popen([sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", str(model_dir),
+                             "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
+            return proc
+        except OSError:
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            time.sleep(0.1)
+    kill_tree(proc)
+    pytest.fail("transformers serve did not start in 60 s")
+
+
+def judged_prefix(monkeypatch):
+    """Every draft starts with a full action up to its message's text, so the random model's leaves are
+    judged by PrivacyLens's protocol (it judges any output holding 'Action:')."""
+    monkeypatch.setattr(privact.P, "ACTION_PREFIX", 'Thought: I will send it.\nAction: MessengerSendMessage\n'
+                                                     'Action Input: {"recipient_id": "bob", "message": "')
+
+
+def leaf_judgments(run):
+    return [(rec["case"], leaf.output, leaf.judgment) for rec in read_jsonl(run / "rollouts.jsonl")
+            for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(rec["tree"]))]
+
+
+def test_judge_through_transformers_serve_equals_the_local_judge_and_resumes_after_it_dies(
+        tmp_path, data_file, tiny_model, monkeypatch, capsys):
+    """A collect judged through `transformers serve` (same weights, float32) gives every leaf the local
+    judge's verdict texts, leaks, helpfulness and validity. Then the server is killed after the first
+    chunk of a run: one error line naming the URL, exit 2, the chunk kept; a rerun against the restarted
+    server finishes with each case once."""
+    judged_prefix(monkeypatch)
+    port, log = free_port(), open(tmp_path / "serve.log", "w")
+    server = start_transformers_serve(tiny_model, port, log)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        local, served = tmp_path / "local", tmp_path / "served"
+        assert run_cli(*collect_args(data_file, local, tiny_model)) == 0
+        assert run_cli(*collect_args(data_file, served, tiny_model, "--judge-url", url, "--judge-model", tiny_model)) == 0
+        want, got = leaf_judgments(local), leaf_judgments(served)
+        assert len(got) == 16 and all(j["valid"] and len(j["judge_outputs"]) == len(j["leaks"]) + 1 for _, _, j in got)
+        assert got == want
+        assert json.loads((served / "config.json").read_text())["judge_url"] == url
+        assert run_cli(*collect_args(data_file, served, tiny_model, "--judge-url", url + "/", "--judge-model", tiny_model)) == 2
+        assert f"judge_url='{url}', not '{url}/'" in capsys.readouterr().err  # a resume keeps its judge
+        run, real, chunks = tmp_path / "run", privact.rollout_chunk, []
+
+        def server_dies_after_the_first_chunk(cases, *a):
+            chunks.append([c["name"] for c in cases])
+            records = real(cases, *a)
+            if len(chunks) == 1:
+                kill_tree(server)
+            return records
+        monkeypatch.setattr(privact, "rollout_chunk", server_dies_after_the_first_chunk)
+        args = collect_args(data_file, run, tiny_model, "--num-cases", "3", "--chunk-cases", "1", "--judge-url", url,
+                            "--judge-model", tiny_model, "--judge-retries", "1")
+        capsys.readouterr()
+        assert run_cli(*args) == 2
+        err, = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert f"--judge-url {url}/chat/completions: " in err and "(after 2 tries)" in err
+        assert [r["case"] for r in read_jsonl(run / "rollouts.rank0.jsonl")] == chunks[0]
+        server = start_transformers_serve(tiny_model, port, log)
+        assert run_cli(*args) == 0
+        train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:3]]
+        assert chunks[1:] == [[train[1]], [train[1]], [train[2]]]  # the chunk that failed, then only what was missing
+        assert [r["case"] for r in read_jsonl(run / "rollouts.jsonl")] == train
+    finally:
+        kill_tree(server) if server.poll() is None else None
+
+
+def recording_server(replies):
+    """A chat-completions endpoint on 127.0.0.1 that records each request's headers and body and
+    answers from `replies(body)` -> (status, reply dict); returns (base URL, requests, server)."""
+    import http.server
+    import threading
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((dict(self.headers), body))
+            status, reply = replies(body)
+            data = json.dumps(reply).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/v1", seen, server
+
+
+def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_model, monkeypatch, capsys, capfd):
+    """$OPENAI_API_KEY goes as 'Authorization: Bearer' with each request of the documented shape, and nowhere
+    else: not under --out, not on stdout or stderr, not in the one-line error of a 404 whose body echoes it.
+    No judge model is loaded (the served name is not a model here); strict is refused before any work."""
+    key = "sk-test-SECRET-4242"
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    judged_prefix(monkeypatch)
+    answer = {"choices": [{"message": {"role": "assistant", "content": "It does.\nAnswer: Yes\n\n---\nmore"}}],
+              "usage": {"completion_tokens": 5}}
+    url, seen, server = recording_server(lambda body: (200, answer) if body["model"] == "served-judge" else
+                                         (404, {"error": f"model {body['model']} not found; you sent {key}"}))
+    try:
+        run = tmp_path / "run"
+        assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url,
+                                     "--judge-model", "served-judge")) == 0
+        headers, body = seen[0]
+        assert headers["Authorization"] == f"Bearer {key}" and len(seen) == 4 * 2  # 4 leaves x (1 item + helpfulness)
+        assert body["model"] == "served-judge" and body["temperature"] == 0 and body["max_tokens"] == 6
+        assert body["stop"] == ["\n\n---"] and body["messages"][0]["role"] == "user"
+        judgment = leaf_judgments(run)[0][2]
+        assert judgment["judge_outputs"] == ["It does.\nAnswer: Yes"] * 2 and judgment["leaks"] == [True]
+        assert json.loads((run / "summary.json").read_text())["collect/judge_tokens"] == 8 * 5
+        bad = tmp_path / "bad"
+        assert run_cli(*collect_args(data_file, bad, tiny_model, "--num-cases", "1", "--judge-url", url,
+                                     "--judge-model", "no-such-model")) == 2
+        out, err = capsys.readouterr()
+        line, = [x for x in err.splitlines() if "error:" in x]
+        assert "HTTP 404" in line and "no-such-model" in line and "***" in line and "(after 1 tries)" in line
+        more = capfd.readouterr()
+        for where in (out, err, more.out, more.err, *[f.read_bytes().decode(errors="replace")
+                                                       for f in tmp_path.rglob("*") if f.is_file()]):
+            assert key not in where
+        assert run_cli(*collect_args(data_file, tmp_path / "s", tiny_model, "--judge-url", url, "--judge-model", "served-judge",
+                                     "--judge-protocol", "strict")) == 2
+        assert "--judge-url needs --judge-protocol privacylens" in capsys.readouterr().err and not (tmp_path / "s").exists()
+    finally:
+        server.shutdown()
 
 
 def test_answer_slot_picks_the_likeliest_allowed_word():
