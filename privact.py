@@ -33,6 +33,7 @@ import argparse
 import collections
 import concurrent.futures
 import dataclasses
+import fcntl
 import functools
 import glob
 import importlib.util
@@ -43,6 +44,7 @@ import random
 import re
 import resource
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -839,8 +841,11 @@ def embedded_model_folder(name):
     return list(spec.submodule_search_locations)[0], gguf
 
 
-def load_model(name_or_path, dtype=torch.float32, device=None):
-    """(model, tokenizer) from a short name (smollm2: offline GGUF), a hub id or a local folder."""
+def load_model(name_or_path, dtype=torch.float32, device=None, generating=False):
+    """(model, tokenizer) from a short name (smollm2: offline GGUF), a hub id or a local folder. For
+    `generating`, the model's generation_config.json keeps only its token ids: none of its sampling
+    defaults (min_p, typical_p, no_repeat_ngram_size, ...) reaches generate, which would fill in any
+    it is not given. The paper samples at plain temperature."""
     kw = {}
     if name_or_path in EMBEDDED_MODELS:
         name_or_path, kw["gguf_file"] = embedded_model_folder(name_or_path)
@@ -855,6 +860,9 @@ def load_model(name_or_path, dtype=torch.float32, device=None):
         model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer, model.is_quantized = None, False
     tok.pad_token = tok.pad_token or tok.eos_token
+    if generating:
+        g = model.generation_config
+        model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id, eos_token_id=g.eos_token_id, pad_token_id=g.pad_token_id)
     return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval(), tok
 
 
@@ -1199,6 +1207,23 @@ def read_rollouts(run_dir):
     return records
 
 
+def lock_folder(folder):
+    """One command per run folder: the main process holds <folder>/.lock (flock) until it exits; the
+    kernel frees it when the process dies, by kill -9 too, so a rerun after a kill takes it over
+    silently. A second command on the folder gets one line naming the holder (pid, host)."""
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fd stays open, and the folder locked, for the process's life
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode().split()
+        os.close(fd)
+        if holder[:1] != [str(os.getpid())]:  # not a later stage of this same process (run_until_pairs, a notebook)
+            raise UsageError(f"{folder}: in use by process {' on '.join(holder)}; wait for it to end, or use another folder")
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+
+
 def check_run_config(path, flags, advice="use a new run folder", free=()):
     """A run folder keeps the flags that shape its results (collect and eval: config.json, written once
     the models have loaded; train: <out>.state/flags.json); resuming with different ones, except
@@ -1248,11 +1273,13 @@ def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
     The process's place among those `accelerate launch` or torchrun started is accelerate's."""
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     os.makedirs(out, exist_ok=True)
+    if state.is_main_process:
+        lock_folder(out)
     check_run_config(os.path.join(out, "config.json"), flags)
     done = read_rollouts(out)
     chunks = [keys[i:i + cfg.chunk_cases] for i in range(0, len(keys), cfg.chunk_cases)]
     todo = [g for g, chunk in enumerate(chunks) if any(k not in done for k in chunk)]
-    loaded = {path: load_model(path, getattr(torch, dtype), state.device) for path in dict.fromkeys(model_paths.values())
+    loaded = {path: load_model(path, getattr(torch, dtype), state.device, generating=True) for path in dict.fromkeys(model_paths.values())
               if todo[state.process_index::state.num_processes]}
     if state.is_main_process:
         write_json(os.path.join(out, "config.json"), flags)
@@ -1738,13 +1765,15 @@ def open_train_state(cfg, out, accelerator):
     state_dir = out + ".state"
     flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_FLAGS}
     flags.update(num_processes=accelerator.num_processes, deepspeed=accelerator.state.deepspeed_plugin is not None)
+    if accelerator.is_main_process:
+        os.makedirs(state_dir, exist_ok=True)
+        lock_folder(state_dir)
     path, progress = os.path.join(state_dir, "flags.json"), os.path.join(state_dir, "progress.json")
     progress = read_json_file(progress) if os.path.exists(progress) else None
     check_run_config(path, flags, f"rerun it unchanged to resume, or remove {state_dir} to start over",
                      free=() if progress else ("batch_size", "grad_accum"))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        os.makedirs(state_dir, exist_ok=True)
         write_json(path, flags)
     accelerator.wait_for_everyone()
     return state_dir, progress
@@ -1935,16 +1964,111 @@ def format_confaide_table(reports):
 
 
 # ----------------------------------------------------------------------------------------------
+# privact.py show: what the method did to one case (paper Figures 1 and 4), read from a run folder
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ShowConfig:
+    run: str = opt("", "a collect folder (the tree, values and pairs) or a PrivacyLens eval folder (the samples)", positional=True)
+    case: str = opt("", "case name, e.g. main12 (default: the folder's first case)")
+    limit: int = opt(0, "children per node (collect) or samples (eval) shown; 0 = all", "[0, inf)")
+
+
+def cmd_show(cfg):
+    """Print one case of a run: a collect's tree (V per node, pairs marked +/-, each leaf's judgment) or an eval's samples."""
+    path = os.path.join(cfg.run, "config.json")
+    config = read_json_file(path) if os.path.exists(path) else {}
+    if config.get("benchmark") == "confaide" or "topology" not in config:
+        raise UsageError(f"{cfg.run}: neither a collect nor a PrivacyLens eval folder (show reads those)")
+    rec = case_record(cfg.run, cfg.case)
+    case = {c["name"]: c for c in load_cases(config["data"], "all")}[rec["case"]]
+    root, width = node_from_dict(rec["tree"]), shutil.get_terminal_size().columns
+    paint = (lambda color, text: f"\033[{color}m{text}\033[0m") if sys.stdout.isatty() else (lambda color, text: text)
+    if "policy" not in config["models"]:  # an eval: K chains, the last node of each judged
+        print(f"{rec['case']}: {len(list(leaves_with_paths(root)))} samples of {','.join(config['topology'])}, "
+              f"judge {config['judge_protocol']} ({config['models']['judge']})")
+        for n, (leaf, _) in enumerate(list(leaves_with_paths(root))[:cfg.limit or None], 1):
+            print(*show_judgment(leaf.judgment, case, width, paint, "", f"sample {n}: "), sep="\n")
+        return
+    summary = os.path.join(cfg.run, "summary.json")
+    flags = read_json_file(summary)["flags"] if os.path.exists(summary) else dataclasses.asdict(CollectConfig())
+    reward_kw, taus = {k: flags[k] for k in ("b1", "b2", "alpha", "beta")}, parse_taus(flags["tau"], config["topology"])
+    print(f"{rec['case']} V={show_values(root, reward_kw) or 0:+.3f}: {', '.join(f'{k}={v}' for k, v in reward_kw.items())}, tau {flags['tau']}"
+          + ("" if os.path.exists(summary) else " (defaults: the collect has not finished)"))
+    for line in show_tree(root, case, taus, width, cfg.limit, paint):
+        print(line)
+    pairs = pairs_from_records([rec], taus, reward_kw)[0]
+    print("pairs: " + ", ".join(f"{role} {len(p)}" for role, p in pairs.items()))
+
+
+def case_record(run, name):
+    """The rollouts record of case `name` (default: the first), only its line parsed: instant on a 394-case run."""
+    names = []
+    for path in sorted(glob.glob(os.path.join(run, "rollouts*.jsonl"))):
+        for line in open(path):
+            found = re.match(r'\{"case": ("(?:[^"\\]|\\.)*")', line)
+            names += [json.loads(found.group(1))] if found else []
+            if found and names[-1] == (name or names[0]):
+                return json.loads(line)
+    raise UsageError(f"{run}: no case {name!r}" + (f"; it holds {', '.join(names[:5])}, ..." if names else ": no rollouts yet"))
+
+
+def show_values(node, reward_kw):
+    """V on every node as pairs_from_records computes it (score_tree, then propagate_values), kept on
+    the whole tree: an unparsed leaf and an inner node with no scored leaf below get None."""
+    if not node.children:
+        node.value = leaf_reward(node.judgment, reward_kw)
+        return node.value
+    values = [v for v in map(lambda c: show_values(c, reward_kw), node.children) if v is not None]
+    node.value = sum(values) / len(values) if values else None
+    return node.value
+
+
+def show_tree(node, case, taus, width, limit, paint, depth=0):
+    """The outline below `node`: role, V and the output's first line; + / - on siblings that became the
+    chosen / rejected side of pairs (V against their role's tau); each leaf's judgment below it."""
+    kids, lines, indent = node.children, [], "  " * depth
+    tau = taus.get(kids[0].role) if kids else None
+    scored = [c.value for c in kids if c.value is not None]
+    paired = tau is not None and min(scored, default=0) < tau <= max(scored, default=0)  # values on both sides of tau
+    for child in kids[:limit or None]:
+        mark = ("+" if child.value >= tau else "-") if paired and child.value is not None else " "
+        value = "V=  U   " if child.value is None else f"V={child.value:+.3f}"
+        text = f"{indent}{mark} {child.role:<9} {value}  {(child.output.strip().splitlines() or [''])[0]}"[:width]
+        lines.append(indent + paint("32" if mark == "+" else "31", mark) + text[len(indent) + 1:])
+        lines += [] if child.children else show_judgment(child.judgment, case, width, paint, indent + "    ")
+        lines += show_tree(child, case, taus, width, limit, paint, depth + 1)
+    return lines + ([f"{indent}  ... {len(kids) - limit} more"] if limit and len(kids) > limit else [])
+
+
+def show_judgment(j, case, width, paint, indent, title=""):
+    """Lines for one judged output: valid or not, helpfulness 0-3 (U: unparsed), each leaked item by its
+    text; with a `title` (eval samples), also the judged action and the judge's own words."""
+    items, cut = case["trajectory"]["sensitive_info_items"], lambda text: " ".join(str(text).split())[:width - 12]  # noqa: E731
+    leaked = [("U " if x is None else "") + items[i] for i, x in enumerate(j["leaks"]) if x is not False]
+    head = (f"{indent}{title}{'valid' if j['valid'] else 'invalid'}, helpfulness {'U' if j['helpfulness'] is None else j['helpfulness']}"
+            f", leaked {sum(x is True for x in j['leaks'])}/{len(items)}" + (": " + "; ".join(x[:40] for x in leaked) if leaked else ""))
+    lines = [paint("31" if leaked else "32", head[:width])]
+    if title:
+        lines += [f"{indent}  action: {cut(j['action'] or '-')}"] + [paint("31", f"{indent}  leaked: {cut(x)}") for x in leaked]
+        lines += [f"{indent}  judge on {cut(name)[:24]}: {cut(text)}" for name, text in zip(items + ["helpfulness"], j["judge_outputs"])]
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
 
 
 def add_config_args(parser, cls):
     for f in dataclasses.fields(cls):
-        kw = {k: v for k, v in f.metadata.items() if k not in ("help", "within")}
+        kw = {k: v for k, v in f.metadata.items() if k not in ("help", "within", "positional")}
         if "nargs" not in kw and "action" not in kw:
             kw["type"] = type(f.default)
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, metavar=choices_of(f) or None,
+        name = [f.name] if f.metadata.get("positional") else ["--" + f.name.replace("_", "-")]
+        parser.add_argument(*name, **({} if f.metadata.get("positional") else {"dest": f.name}), default=f.default,
+                            metavar=choices_of(f) or (f.name.upper() if f.metadata.get("positional") else None),
                             help=f.metadata["help"].replace("%", "%%") + " (default: %(default)s" +
                             (f"; in {f.metadata['within']})" if f.metadata["within"] else ")"), **kw)
 
@@ -1968,7 +2092,8 @@ def check_flags(cfg):
     return cfg
 
 
-COMMANDS = {"collect": (CollectConfig, cmd_collect), "train": (TrainConfig, cmd_train), "eval": (EvalConfig, cmd_eval)}
+COMMANDS = {"collect": (CollectConfig, cmd_collect), "train": (TrainConfig, cmd_train), "eval": (EvalConfig, cmd_eval),
+            "show": (ShowConfig, cmd_show)}
 
 
 def build_parser():

@@ -424,7 +424,7 @@ def test_help_documents_every_flag(capsys):
             privact.main([cmd, "--help"])
         out = capsys.readouterr().out
         for f in privact.dataclasses.fields(cls):
-            assert "--" + f.name.replace("_", "-") in out
+            assert ("--" + f.name.replace("_", "-") if not f.metadata.get("positional") else f.name.upper()) in out
 
 
 def test_load_model_tiny(tiny_model):
@@ -627,9 +627,10 @@ def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, 
     assert json.loads((tmp_path / "v" / "train_metrics.json").read_text())["train/steps"] == 2
 
 
-def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model, monkeypatch):
-    """SIGKILL while cases are still to come (some, not all, on disk); the rerun rolls out exactly
-    the missing ones and the file ends with each case once."""
+def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model, monkeypatch, capsys):
+    """A second collect on the folder while the first runs refuses, naming it (pid, host). SIGKILL while
+    cases are still to come (some, not all, on disk); the rerun takes the dead run's lock over, rolls out
+    exactly the missing ones, and the file ends with each case once."""
     run = tmp_path / "run"
     flags = collect_args(data_file, run, tiny_model, "--num-cases", "4", "--chunk-cases", "1", "--max-new-tokens", "48")
     proc = subprocess.Popen([sys.executable, str(HERE / "privact.py"), *flags],
@@ -637,6 +638,9 @@ def test_collect_resumes_after_sigkill(tmp_path, data_file, tiny_model, monkeypa
     shard, deadline = run / "rollouts.rank0.jsonl", time.time() + 120
     while time.time() < deadline and proc.poll() is None and not (shard.exists() and shard.read_text().count("\n") >= 1):
         time.sleep(0.02)
+    assert run_cli(*flags) == 2, "a second collect on a folder in use must refuse"
+    import socket
+    assert f"{run}: in use by process {proc.pid} on {socket.gethostname()}" in capsys.readouterr().err
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run / "rollouts.jsonl").exists(), "the run finished before it could be killed"
@@ -711,6 +715,87 @@ def test_two_process_collect_killed_resumes_with_one(tmp_path, data_file, tiny_m
     names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
     assert sorted(names) == sorted(c["name"] for c in privact.load_cases(str(data_file), "all", 6))
     assert len(names) == len(set(names)) and not list(run.glob("rollouts.rank*"))
+
+
+def test_no_sampling_defaults_from_the_model(tmp_path, data_file, tiny_model):
+    """A model folder whose generation_config.json sets sampling and decoding keys privact does not set
+    samples and judges exactly what the same folder without them does, under one seed."""
+    shaped = tmp_path / "shaped"
+    shutil.copytree(tiny_model, shaped)
+    config = json.loads((shaped / "generation_config.json").read_text())
+    config.update(min_p=0.3, typical_p=0.2, no_repeat_ngram_size=1, suppress_tokens=list(range(60, 120)), top_k=2,
+                  top_p=0.5, temperature=0.2, repetition_penalty=3.0, epsilon_cutoff=0.01, begin_suppress_tokens=[84])
+    (shaped / "generation_config.json").write_text(json.dumps(config))
+    for model, run in ((tiny_model, tmp_path / "plain"), (shaped, tmp_path / "with_defaults")):
+        assert run_cli(*collect_args(data_file, run, model, "--judge-protocol", "strict")) == 0
+    trees = [[r["tree"] for r in read_jsonl(tmp_path / run / "rollouts.jsonl")] for run in ("plain", "with_defaults")]
+    assert trees[0] == trees[1]
+
+
+def show_lines(capsys, *args):
+    capsys.readouterr()
+    assert run_cli("show", *args) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+def test_show_a_collect_tree_values_and_pairs_as_the_method_computes_them(tmp_path, data_file, tiny_model, capsys, monkeypatch):
+    """Each node's line carries the V that score_tree + propagate_values give, + / - exactly on the
+    siblings that build_pairs turns into chosen / rejected, U on an unparsed leaf; the footer counts the
+    case's pairs; colour only on a terminal; --limit cuts the children shown."""
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=0.2,refiner=0.4", "--b2", "0.2")) == 0
+    records = fake_judgments(run)
+    first = privact.node_from_dict(records[0]["tree"])
+    leaves = [leaf for leaf, _ in privact.leaves_with_paths(first)]
+    leaves[2].judgment["leaks"] = [None]  # one unparsed verdict: left out of values and pairs
+    records[0]["tree"] = privact.dataclasses.asdict(first)
+    (run / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = show_lines(capsys, run)
+    taus, kw = {"verifier": 0.2, "refiner": 0.4}, {"b1": 0.0, "b2": 0.2, "alpha": 0.5, "beta": 2.0}
+    root = privact.node_from_dict(records[0]["tree"])
+    scored = privact.score_tree(root, kw)
+    privact.propagate_values(scored)
+    value = {id(n.prompt): n.value for n in privact.walk(scored)}  # score_tree's copies keep each node's prompt list
+    pairs = privact.build_pairs(scored, taus)
+    sides = {(json.dumps(p["prompt"]), p[side]): "+" if side == "chosen" else "-" for p in pairs for side in ("chosen", "rejected")}
+    want = [(sides.get((json.dumps(n.prompt), n.output), " "), n.role, value.get(id(n.prompt))) for n in list(privact.walk(root))[1:]]
+    got = [(m.group(1), m.group(2), None if m.group(3) == "  U   " else float(m.group(3)))
+           for m in (re.match(r"\s*([+\- ]) (\w+)\s+V=(  U   |[+-]\d\.\d{3})", line) for line in lines) if m]
+    assert [(m, r) for m, r, _ in got] == [(m, r) for m, r, _ in want] and {m for m, _, _ in got} >= {"+", "-", " "}
+    assert [v for _, _, v in got] == [None if v is None else pytest.approx(v, abs=5e-4) for _, _, v in want]
+    assert sum(v is None for _, _, v in got) == 1 and lines[0].startswith(f"{records[0]['case']} V=")
+    counts = privact.pairs_from_records(records[:1], taus, kw)[0]
+    assert lines[-1] == f"pairs: verifier {len(counts['verifier'])}, refiner {len(counts['refiner'])}"
+    assert re.search(r"valid, helpfulness \d, leaked 1/\d: Alice has diabetes\.", "\n".join(lines)) and "\033[" not in "\n".join(lines)
+    assert sum("... 1 more" in line for line in show_lines(capsys, run, "--limit", "1")) == 1 + 1 + 1  # one per level
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert "\033[32m+\033[0m" in "\n".join(show_lines(capsys, run, "--case", records[1]["case"]))
+
+
+def test_show_an_eval_names_the_leaked_items_and_the_judges_words(tmp_path, data_file, tiny_model, capsys):
+    out = tmp_path / "eval"
+    assert run_cli(*eval_args(data_file, out, tiny_model, "--baseline", "vanilla")) == 0
+    records = read_jsonl(out / "rollouts.jsonl")
+    case = next(c for c in privact.load_cases(str(data_file), "test") if c["name"] == records[1]["case"])
+    leaf = records[1]["tree"]["children"][1]
+    items = case["trajectory"]["sensitive_info_items"]
+    leaf["judgment"] = {"action": "MessengerSendMessage {...}", "valid": True, "leaks": [True] + [False] * (len(items) - 1),
+                        "helpfulness": 2, "judge_outputs": ["It names it.\nAnswer: Yes"] * len(items) + ["Answer: Good"]}
+    (out / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = "\n".join(show_lines(capsys, out, "--case", records[1]["case"]))
+    assert f"{records[1]['case']}: 3 samples of generator" in text and "sample 2: valid, helpfulness 2, leaked 1/" in text
+    assert f"leaked: {items[0]}" in text and "action: MessengerSendMessage {...}" in text and "It names it. Answer: Yes" in text
+
+
+def test_show_bad_inputs_one_line_exit_2(tmp_path, data_file, tiny_model, capsys):
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1")) == 0
+    capsys.readouterr()
+    for args, message in (((run, "--case", "main12"), f"{run}: no case 'main12'; it holds case"),
+                          ((tmp_path,), f"{tmp_path}: neither a collect nor a PrivacyLens eval folder")):
+        assert run_cli("show", *args) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_collect_in_a_fresh_copy_without_data_flag(tmp_path, tiny_model):
@@ -1813,14 +1898,17 @@ def project_copy(folder):
 
 
 def test_python_on_path_keeps_a_venv_interpreter(tmp_path):
-    """A venv (--system-site-packages, as users layer one over a base install) holding a module of
-    its own: `python` on the quick start's PATH imports torch and that module; a symlink to the
-    venv's interpreter, as this test once used, finds neither the venv nor the module."""
+    """A venv holding a module of its own, and seeing this interpreter's packages through a .pth file
+    (whatever interpreter runs the tests: a venv over a Python without torch too): `python` on the
+    quick start's PATH imports torch and that module; a symlink to the venv's interpreter, as this
+    test once used, finds neither the venv nor the module."""
+    import site as running
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "only_in_this_venv.py").write_text("")
+    Path(site, "tests_interpreter.pth").write_text("\n".join(running.getsitepackages()) + "\n")
     probe = ["python", "-c", "import sys, torch, only_in_this_venv; print(sys.prefix)"]
     env = python_on_path(tmp_path / "shim", venv / "bin" / "python")
     done = subprocess.run(probe, env=env, capture_output=True, text=True)
