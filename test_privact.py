@@ -659,9 +659,11 @@ def kill_tree(proc):
     """SIGKILL a launcher and every process under it: torchrun and accelerate start their workers
     in sessions of their own, which a signal to the launcher's process group misses."""
     import psutil
-    for child in psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]:
+    tree = psutil.Process(proc.pid).children(recursive=True) + [psutil.Process(proc.pid)]
+    for child in tree:
         child.kill()
     proc.wait()
+    psutil.wait_procs(tree, timeout=30)  # gone, their files (and the run folder's lock) closed
 
 
 def torchrun(nproc, *args, port, **kw):
@@ -1041,7 +1043,7 @@ def recording_server(replies):
     return f"http://127.0.0.1:{server.server_address[1]}/v1", seen, server
 
 
-def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_model, monkeypatch, capsys, capfd):
+def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_model, monkeypatch, capfd):
     """$OPENAI_API_KEY goes as 'Authorization: Bearer' with each request of the documented shape, and nowhere
     else: not under --out, not on stdout or stderr, not in the one-line error of a 404 whose body echoes it.
     No judge model is loaded (the served name is not a model here); strict is refused before any work."""
@@ -1057,25 +1059,23 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url,
                                      "--judge-model", "served-judge")) == 0
         headers, body = seen[0]
-        assert headers["Authorization"] == f"Bearer {key}" and len(seen) == 4 * 2  # 4 leaves x (1 item + helpfulness)
+        judgments = [j for _, _, j in leaf_judgments(run)]
+        assert headers["Authorization"] == f"Bearer {key}" and len(seen) == sum(len(j["leaks"]) + 1 for j in judgments) == 8 * 3
         assert body["model"] == "served-judge" and body["temperature"] == 0 and body["max_tokens"] == 6
         assert body["stop"] == ["\n\n---"] and body["messages"][0]["role"] == "user"
-        judgment = leaf_judgments(run)[0][2]
-        assert judgment["judge_outputs"] == ["It does.\nAnswer: Yes"] * 2 and judgment["leaks"] == [True]
-        assert json.loads((run / "summary.json").read_text())["collect/judge_tokens"] == 8 * 5
+        assert all(j["judge_outputs"] == ["It does.\nAnswer: Yes"] * 3 and j["leaks"] == [True, True] for j in judgments)
+        assert json.loads((run / "summary.json").read_text())["collect/judge_tokens"] == 24 * 5  # from `usage`
         bad = tmp_path / "bad"
         assert run_cli(*collect_args(data_file, bad, tiny_model, "--num-cases", "1", "--judge-url", url,
                                      "--judge-model", "no-such-model")) == 2
-        out, err = capsys.readouterr()
+        out, err = capfd.readouterr()  # everything both commands printed, from this process and any other
         line, = [x for x in err.splitlines() if "error:" in x]
         assert "HTTP 404" in line and "no-such-model" in line and "***" in line and "(after 1 tries)" in line
-        more = capfd.readouterr()
-        for where in (out, err, more.out, more.err, *[f.read_bytes().decode(errors="replace")
-                                                       for f in tmp_path.rglob("*") if f.is_file()]):
+        for where in (out, err, *[f.read_bytes().decode(errors="replace") for f in tmp_path.rglob("*") if f.is_file()]):
             assert key not in where
         assert run_cli(*collect_args(data_file, tmp_path / "s", tiny_model, "--judge-url", url, "--judge-model", "served-judge",
                                      "--judge-protocol", "strict")) == 2
-        assert "--judge-url needs --judge-protocol privacylens" in capsys.readouterr().err and not (tmp_path / "s").exists()
+        assert "--judge-url needs --judge-protocol privacylens" in capfd.readouterr().err and not (tmp_path / "s").exists()
     finally:
         server.shutdown()
 

@@ -221,7 +221,10 @@ def dpo_figures(policy_shape, tok, args, folder):
     """pairs/s and peak memory of `privact.py train` on synthetic pairs of the given lengths."""
     prompt_len, response_len = args.max_length - 2 * args.response_tokens, args.response_tokens
     words = lambda n, salt: " ".join(f"w{(i * 7919 + salt) % 5000}" for i in range(n))  # noqa: E731 (about 2-3 tokens each)
-    pairs = [{"case": f"c{i}", "role": "refiner", "prompt": [{"role": "user", "content": words(prompt_len // 3, i)}],
+    context = lambda i: privact.P.CONTEXT.format(  # noqa: E731 (an over-long pair loses the middle of its trajectory, as in privact)
+        user_name="A", user_email="a@x.com", user_instruction="Send it.", toolkits="Gmail", trajectory=words(prompt_len // 3, i),
+        final_action="GmailSendEmail", tool_args=privact.P.FINAL_TOOLS["GmailSendEmail"])
+    pairs = [{"case": f"c{i}", "role": "refiner", "prompt": [{"role": "user", "content": context(i)}],
               "chosen": words(response_len // 3, i + 1), "rejected": words(response_len // 3, i + 2)}
              for i in range(args.batch_size_train * (args.train_steps + 1))]
     path = os.path.join(folder, "pairs_refiner.jsonl")
@@ -276,7 +279,7 @@ def parse_args():
     if args.tiny:
         args.max_new_tokens, args.judge_tokens, args.batch_size, args.cases, args.chunk_cases = 4, 4, 16, 2, 1
         args.rows, args.decode_prompt_tokens, args.decode_steps = "2,4", 16, 4
-        args.max_length, args.response_tokens, args.batch_size_train, args.train_steps = 96, 16, 2, 1
+        args.max_length, args.response_tokens, args.batch_size_train, args.train_steps = 320, 16, 2, 1
     return args
 
 
