@@ -44,9 +44,7 @@ import random
 import re
 import resource
 import shutil
-import socket
 import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -114,11 +112,9 @@ class RolloutConfig:
     split: Literal["train", "test", "all"] = opt("train", "train: 394 cases, test: 99; the released seed-42 split")
     num_cases: int = opt(0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)", "[0, inf)")
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
-    judge_model: str = opt("", "judge model (default: the --model; with --judge-url, the name it is served under); the paper's: Mistral-7B-Instruct-v0.2")
-    judge_url: str = opt("", "a served judge instead of a loaded one: OpenAI-compatible base URL (vLLM, SGLang, TGI, transformers serve), "
-                             "e.g. http://127.0.0.1:8000/v1; the key, if any, from $OPENAI_API_KEY")
-    judge_concurrency: int = opt(256, "--judge-url: requests in flight at once, for the server to batch (vLLM's default max_num_seqs)", "[1, inf)")
-    judge_retries: int = opt(5, "--judge-url: retries of a request after a connection error, timeout, 429 or 5xx (waits 1, 2, 4, ... s)", "[0, inf)")
+    judge_model: str = opt("", "judge model, or its served name with --judge-url (default: --model); the paper's: Mistral-7B-Instruct-v0.2")
+    judge_url: str = opt("", "a served judge: an OpenAI-compatible base URL (vLLM, SGLang, TGI, transformers serve); key: $OPENAI_API_KEY")
+    judge_concurrency: int = opt(256, "--judge-url: requests in flight, for the server to batch (vLLM's max_num_seqs)", "[1, inf)")
     topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
     prompt: Literal["naive", "privacy_enhanced"] = opt("naive", "system-line variant (privacy_enhanced: the PPE baseline)")
     max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", "[1, inf)")
@@ -270,23 +266,23 @@ def latest(path, roles):
 
 
 def critiques_since_draft(path):
-    """The verifier outputs written after the latest draft, in order (paper 3.2.1: each agent
-    conditions on every response before it, so a second verifier reads the first's critique)."""
+    """The verifier outputs written after the latest draft, in order (paper 3.2.1: each agent conditions
+    on every response before it, so a second verifier reads the first's critique): one as it is, several
+    numbered; '' when there is none."""
     drafts = [i for i, (role, _) in enumerate(path) if role in DRAFT_ROLES]
-    return [out for role, out in path[drafts[-1] + 1 if drafts else 0:] if role == "verifier"]
+    critiques = [out for role, out in path[drafts[-1] + 1 if drafts else 0:] if role == "verifier"]
+    return critiques[0] if len(critiques) == 1 else "\n\n".join(P.NUMBERED_CRITIQUE.format(n=n, text=c) for n, c in enumerate(critiques, 1))
 
 
 def build_chat(role, case, path, variant="naive"):
     """Chat messages for `role`; `path` is [(role, output), ...] of the agents before it. The default
     chain's prompts are those of one critique; deeper chains number several (Table 3)."""
     system = P.SYSTEM_PRIVACY if variant == "privacy_enhanced" else P.SYSTEM_NAIVE
-    critiques = critiques_since_draft(path)
-    critique = critiques[0] if len(critiques) == 1 else "\n\n".join(
-        P.NUMBERED_CRITIQUE.format(n=n, text=text) for n, text in enumerate(critiques, 1)) or latest(path, ("verifier",))
+    since = critiques_since_draft(path)  # a refiner with none since the draft (G-V-R-R) reads the latest critique
     user = P.TASKS[role].format(
-        context=case_context(case), final_action=case["trajectory"]["final_action"],
-        input_skeleton=input_skeleton(case["trajectory"]["final_action"]), draft=latest(path, DRAFT_ROLES), critique=critique,
-        earlier_critiques=P.EARLIER_CRITIQUES.format(critiques=critique) if critiques else "",
+        context=case_context(case), final_action=case["trajectory"]["final_action"], input_skeleton=input_skeleton(
+            case["trajectory"]["final_action"]), draft=latest(path, DRAFT_ROLES), critique=since or latest(path, ("verifier",)),
+        earlier_critiques=P.EARLIER_CRITIQUES.format(critiques=since) if since else "",
         facts=latest(path, ("extractor",)), labels=latest(path, ("checker",)))
     return [{"role": "system", "content": system.format(role_line=P.ROLE_LINES[role])}, {"role": "user", "content": user}]
 
@@ -460,7 +456,8 @@ VERDICT_WORDS = {"leak": ("Yes", "No"), "help": ("Excellent", "Good", "Unsatisfa
 
 def judge_leaves(leaves, judge, max_new_tokens, batch_size, protocol, stats=None):
     """Set `judgment` on each (leaf, case, path): the judge_chats of the path's last action, all
-    greedy and batched together; PrivacyLens's judge stops at its prompt's "\n\n---" separator, the
+    greedy and batched together through `judge` (generate_batched with the judge model and its
+    tokenizer, or judge_endpoint: a served judge); PrivacyLens's judge stops at its prompt's "\n\n---" separator, the
     strict one answers in an answer slot (open_answer_slot). A leaf without a judged action counts
     as no leak and helpfulness 0, flagged invalid (the PrivacyLens convention)."""
     chats, owners = [], []  # owners, one per chat: (leaf, verdict kind, where the verdict goes: container, key)
@@ -471,10 +468,8 @@ def judge_leaves(leaves, judge, max_new_tokens, batch_size, protocol, stats=None
                              "leaks": [False] * len(case["trajectory"]["sensitive_info_items"]), "helpfulness": 0}
         chats += mine
         owners += [(leaf, "leak", j["leaks"], i) for i in range(len(mine) - 1)] + [(leaf, "help", j, "helpfulness")] * bool(mine)
-    strict = protocol == "strict"
-    generate = judge if callable(judge) else functools.partial(generate_batched, *judge)  # (model, tokenizer): loaded here
-    outs, n_tokens = generate(chats, 1, max_new_tokens, batch_size, "judge", stats=stats, stop=None if strict else "\n\n---",
-                              answer_slot=[VERDICT_WORDS[kind] for _, kind, _, _ in owners] if strict else None)
+    outs, n_tokens = judge(chats, 1, max_new_tokens, batch_size, "judge", stats=stats, stop="\n\n---" if protocol == "privacylens" else None,
+                           answer_slot=[VERDICT_WORDS[kind] for _, kind, _, _ in owners] if protocol == "strict" else None)
     for (leaf, kind, into, key), (text,) in zip(owners, outs):
         leaf.judgment["judge_outputs"].append(text)
         into[key] = judge_verdict(text, kind, protocol)
@@ -492,8 +487,8 @@ def rollout_chunk(cases, roles, branching, models, variants, cfg):
     start, stats = time.time(), collections.Counter()
     roots, n_gen = rollout(cases, roles, branching, models, variants, cfg.max_new_tokens, cfg.batch_size, cfg.temperature, stats)
     leaves = [(leaf, case, path) for root, case in zip(roots, cases) for leaf, path in leaves_with_paths(root)]
-    judge = models.get("judge") or functools.partial(judge_endpoint, cfg)  # --judge-url: a served judge, none loaded
-    n_judge = judge_leaves(leaves, judge, cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)
+    judge = functools.partial(generate_batched, *models["judge"]) if models.get("judge") else functools.partial(judge_endpoint, cfg)
+    n_judge = judge_leaves(leaves, judge, cfg.judge_max_new_tokens, cfg.batch_size, cfg.judge_protocol, stats)  # judge: loaded or served
     counts = {"generated_tokens": n_gen, "judge_tokens": n_judge, **stats, "seconds": time.time() - start}
     return [{"case": c["name"], "tree": dataclasses.asdict(r), **{k: round(v / len(cases), 1) for k, v in counts.items()}}
             for r, c in zip(roots, cases)]
@@ -713,8 +708,7 @@ CONFAIDE_COLUMNS = ("FR-E", "IA-E", "IA-Y", "IA-Z", "PS-E", "PS-Y", "PS-Z", "MS-
 
 def confaide_prompts(tier, item):
     """{task: the user message} for one scenario (tier 3) or meeting (tier 4)."""
-    values = {**item, "secret": item.get("secret", "").lower()}
-    return {task: P.CONFAIDE_PROMPTS[task].format(**values) for task in CONFAIDE_TASKS[tier]}
+    return {task: P.CONFAIDE_PROMPTS[task].format(**{**item, "secret": item.get("secret", "").lower()}) for task in CONFAIDE_TASKS[tier]}
 
 
 def confaide_errors(task, item, text):
@@ -760,8 +754,7 @@ def cmd_collect(cfg):
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants,
                              models={"policy": cfg.model, "judge": paths["judge"]})
     work = lambda models, names: rollout_chunk([split[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_until_pairs(cfg, list(split), flags, local_models(paths, cfg), work,
-                              lambda recs: pairs_from_records(recs, taus, reward_kw)[0])
+    records = run_until_pairs(cfg, list(split), flags, paths, work, lambda recs: pairs_from_records(recs, taus, reward_kw)[0])
     if records is not None:  # the main process writes what every process rolled out
         pairs, stats = pairs_from_records(records, taus, reward_kw)
         write_collect_outputs(cfg, records, pairs, stats, taus)
@@ -795,7 +788,7 @@ def eval_privacylens(cfg):
     branching = [cfg.k] + [1] * (len(roles) - 1)  # SPEC.md 9: the first agent samples, the rest greedy
     flags = generation_flags(cfg, split=cfg.split, topology=roles, branching=branching, variants=variants, models=paths)
     work = lambda models, names: rollout_chunk([cases[n] for n in names], roles, branching, models, variants, cfg)  # noqa: E731
-    records = run_stage(cfg.out, list(cases), flags, local_models(paths, cfg), cfg.dtype, work, cfg)
+    records = run_stage(cfg.out, list(cases), flags, paths, cfg.dtype, work, cfg)
     if records is not None:
         samples = [[leaf.judgment for leaf, _ in leaves_with_paths(node_from_dict(records[n]["tree"]))] for n in cases]
         report = {"benchmark": "privacylens", "judge_protocol": cfg.judge_protocol, "label": label,
@@ -861,8 +854,7 @@ def load_model(name_or_path, dtype=torch.float32, device=None, generating=False)
         model.hf_quantizer, model.is_quantized = None, False
     tok.pad_token = tok.pad_token or tok.eos_token
     if generating:
-        g = model.generation_config
-        model.generation_config = GenerationConfig(bos_token_id=g.bos_token_id, eos_token_id=g.eos_token_id, pad_token_id=g.pad_token_id)
+        model.generation_config = GenerationConfig(**{k: v for k, v in model.generation_config.to_dict().items() if k.endswith("token_id")})
     return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval(), tok
 
 
@@ -889,15 +881,6 @@ def prefix_groups(token_ids):
     return sorted(groups, key=lambda g: -max(len(token_ids[i]) for i in g))
 
 
-def full_static_cache(model, max_len):
-    """A preallocated KV cache holding all max_len positions in every layer. Sliding-window layers
-    too: the model's own mask still limits what they attend to (transformers' sliding static
-    layers roll instead, which the in-place prefill below cannot fill)."""
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
-    cache.layers = [StaticLayer(max_cache_len=max_len) for _ in cache.layers]
-    return cache
-
-
 def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
     """Prefill n prompts minus their last token, each group's common prefix only once.
 
@@ -918,21 +901,22 @@ def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
              [0] * (wp - plen[g]) + [1] * plen[g] + [0] * (ws - len(r)) + [1] * len(r))
             for s, r, g in zip(seqs, rests, member_of)]
     ids, mask = (torch.tensor([row[k] for row in rows], device=model.device) for k in (0, 1))
-    cache = full_static_cache(model, ids.shape[1] + max_new_tokens)
+    # a preallocated KV cache of all positions in every layer, sliding-window ones too: the model's own mask still limits
+    # what they attend to (transformers' sliding static layers roll instead, which the in-place prefill here cannot fill)
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+    cache.layers = [StaticLayer(max_cache_len=ids.shape[1] + max_new_tokens) for _ in cache.layers]
     for (a, b), p in zip(spans, plen):
         if p:
-            alone = DynamicCache()  # full layers, as in full_static_cache
+            alone = DynamicCache()  # full layers, as the static cache's
             model(input_ids=ids[a:a + 1, wp - p:wp], cache=alone, use_cache=True, logits_to_keep=1)
             for static, layer in zip(cache.layers, alone.layers):  # static: [n, kv_heads, max_len, head_dim]
                 if not static.is_initialized:
                     static.lazy_initialization(*(t[:1].expand(len(seqs), -1, -1, -1) for t in (layer.keys, layer.values)))
-                static.keys[a:b, :, wp - p:wp] = layer.keys
-                static.values[a:b, :, wp - p:wp] = layer.values
+                static.keys[a:b, :, wp - p:wp], static.values[a:b, :, wp - p:wp] = layer.keys, layer.values
                 static.cumulative_length.fill_(wp)
     if ids.shape[1] - 1 > wp:  # the last prompt token goes in generate
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() derives them from the mask
-        model(input_ids=ids[:, wp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, wp:-1],
-              cache=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, wp:-1], attention_mask=mask[:, :-1], position_ids=pos[:, wp:-1], cache=cache, use_cache=True, logits_to_keep=1)
     return ids, mask, cache, sum(plen) + sum(len(r) - 1 for r in rests)
 
 
@@ -966,8 +950,7 @@ def chat_text(tok, chat):
         if chat[0]["role"] != "system" or chat[1]["role"] != "user":
             raise
         tok.fold_system = True
-        print(f"note: the chat template of {tok.name_or_path or 'this model'} rejects a system message; its text goes "
-              "first in the user message", file=sys.stderr)
+        print(f"note: {tok.name_or_path}'s chat template rejects a system message; its text goes first in the user's", file=sys.stderr)
         return chat_text(tok, chat)
 
 
@@ -979,7 +962,7 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     All prompts go through `generate` in left-padded batches of at most `batch_size` sequences,
     `num_return` samples per prompt (SPEC.md section 5), prompts that share a prefix side by side
     and prefilled from one copy of it (prefix_groups, prefill_shared). Sampling when num_return > 1
-    (or `sample`), else greedy. Each completion starts with `prefix` (one string, or one per chat),
+    (or `sample`), else greedy. Each completion starts with `prefix`,
     which the model continues. `stats`, a Counter, gets prompt_tokens_prefilled and
     prompt_tokens_plain (what generate(num_return_sequences) would prefill) added. `answer_slot`:
     per chat, the verdict words of a judge prompt, for greedy judge decoding that ends with a
@@ -987,10 +970,9 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     """
     if not chats:
         return [], 0
-    prefixes = prefix if isinstance(prefix, list) else [prefix] * len(chats)
-    token_ids = tok([chat_text(tok, c) + pre for c, pre in zip(chats, prefixes)], add_special_tokens=False)["input_ids"]
+    token_ids = tok([chat_text(tok, c) + prefix for c in chats], add_special_tokens=False)["input_ids"]
     sample = num_return > 1 if sample is None else sample
-    slot = tok(ANSWER_SLOT, add_special_tokens=False)["input_ids"] if answer_slot else []
+    slot = tok("\nAnswer:", add_special_tokens=False)["input_ids"] if answer_slot else []  # see open_answer_slot
     options = [[tok(" " + w, add_special_tokens=False)["input_ids"] for w in words] for words in answer_slot or []]
     extra = len(slot) + max(len(o) for opts in options for o in opts) + 1 if slot else 0
     # plain temperature sampling: no top-k/top-p, never the model's own defaults (e.g. Llama's top_p 0.9)
@@ -1002,20 +984,18 @@ def generate_batched(model, tok, chats, num_return, max_new_tokens, batch_size, 
     group_of = {i: g for g, members in enumerate(groups) for i in members}
     order = sorted(range(len(chats)), key=lambda i: (group_of[i], token_ids[i]))
     results, n_tokens, n_prefilled, start = [None] * len(chats), 0, 0, time.time()
-    bar = tqdm(total=len(chats) * num_return, desc=desc, unit="seq", leave=False)
-    for idx in (order[b:b + max(1, batch_size // num_return)] for b in range(0, len(order), max(1, batch_size // num_return))):
-        processors = ([open_answer_slot(tok, max_new_tokens, slot, [options[i] for i in idx for _ in range(num_return)],
-                                        gen.eos_token_id)] if slot else [])
-        out, width, n = generate_shared_prefix(model, [token_ids[i] for i in idx], [group_of[i] for i in idx],
-                                               tok.pad_token_id, gen, num_return, processors, tokenizer=tok)
-        new = out[:, width:]  # [len(idx) * num_return, new_tokens]
-        n_tokens, n_prefilled = n_tokens + int((new != tok.pad_token_id).sum()), n_prefilled + n
-        decoded = [(s.split(stop)[0] if stop else s) for s in decode_continuations(tok, out, width)]
-        for j, i in enumerate(idx):
-            results[i] = [prefixes[i] + s for s in decoded[j * num_return:(j + 1) * num_return]]
-        bar.update(len(idx) * num_return)
-        bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
-    bar.close()
+    with tqdm(total=len(chats) * num_return, desc=desc, unit="seq", leave=False) as bar:
+        for idx in (order[b:b + max(1, batch_size // num_return)] for b in range(0, len(order), max(1, batch_size // num_return))):
+            processors = ([open_answer_slot(tok, max_new_tokens, slot, [options[i] for i in idx for _ in range(num_return)],
+                                            gen.eos_token_id)] if slot else [])
+            out, width, n = generate_shared_prefix(model, [token_ids[i] for i in idx], [group_of[i] for i in idx],
+                                                   tok.pad_token_id, gen, num_return, processors, tokenizer=tok)
+            n_tokens, n_prefilled = n_tokens + int((out[:, width:] != tok.pad_token_id).sum()), n_prefilled + n  # [rows, new tokens]
+            decoded = [(s.split(stop)[0] if stop else s) for s in decode_continuations(tok, out, width)]
+            for j, i in enumerate(idx):
+                results[i] = [prefix + s for s in decoded[j * num_return:(j + 1) * num_return]]
+            bar.update(len(idx) * num_return)
+            bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     if stats is not None:  # what was prefilled, and what generate(num_return_sequences=B) would prefill
         stats.update(prompt_tokens_prefilled=n_prefilled, prompt_tokens_plain=sum(map(len, token_ids)) * num_return)
     return results, n_tokens
@@ -1025,13 +1005,9 @@ def decode_continuations(tok, out, width, tail=4):
     """The exact text of each row's new tokens out[:, width:]: decoded after the prompt's last `tail`
     tokens, whose own text is then cut off. Decoded alone, a sentencepiece decoder (Llama-2, Mistral)
     drops the first token's leading space: 'Thought:' + '▁I ▁will' would be stored as 'Thought:I will'."""
-    heads = tok.batch_decode(out[:, max(0, width - tail):width], skip_special_tokens=True)
-    fulls = tok.batch_decode(out[:, max(0, width - tail):], skip_special_tokens=True)
+    heads, fulls = (tok.batch_decode(out[:, max(0, width - tail):end], skip_special_tokens=True) for end in (width, None))
     return [full[len(head):] if full.startswith(head) else tok.decode(row[width:], skip_special_tokens=True)
             for head, full, row in zip(heads, fulls, out)]
-
-
-ANSWER_SLOT = "\nAnswer:"
 
 
 def open_answer_slot(tok, budget, slot, options, stop_ids):
@@ -1074,57 +1050,39 @@ def judge_endpoint(cfg, chats, num_return, max_new_tokens, batch_size, desc="jud
     """generate_batched's stand-in for --judge-url: each chat one POST {url}/chat/completions, greedy
     (temperature 0) up to max_tokens, cut at `stop` as the local judge cuts; --judge-concurrency in
     flight so that the server batches them. -> ([[text] per chat], completion tokens from `usage`).
-    The server applies its own chat template: tokenization (BOS included) is the server's."""
-    assert num_return == 1 and answer_slot is None, "a served judge decodes greedily, without an answer slot"
-    url, abort = cfg.judge_url.rstrip("/") + "/chat/completions", threading.Event()
+    The server applies its own chat template: tokenization (BOS included) is the server's.
+    Connection errors, timeouts (an hour: a busy server queues requests), 429 and 5xx are retried
+    five times, after 1, 2, 4, 8 and 16 s; then, or at once on any other failure, one UsageError
+    line naming the URL and the status or cause. $OPENAI_API_KEY, when set, goes into the header alone."""
+    assert num_return == 1 and stop and not answer_slot, "a served judge decodes greedily to a stop string, no answer slot"
+    url, key, start, retries = cfg.judge_url.rstrip("/") + "/chat/completions", os.environ.get("OPENAI_API_KEY", ""), time.time(), 5
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
-    def judge_one(chat):
-        reply = post_json(url, {"model": cfg.judge_model, "messages": chat, "temperature": 0, "max_tokens": max_new_tokens,
-                                **({"stop": [stop]} if stop else {})}, cfg.judge_retries, abort)
-        try:
-            text, usage = reply["choices"][0]["message"]["content"] or "", reply.get("usage") or {}
-        except (KeyError, IndexError, TypeError):
-            raise UsageError(f"--judge-url {cfg.judge_url}: the reply is not a chat completion ({str(reply)[:160]!r})")
-        return (text.split(stop)[0] if stop else text), int(usage.get("completion_tokens", 0))
-    pool, start, n_tokens = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency), time.time(), 0
-    futures = [pool.submit(judge_one, chat) for chat in chats]
+    def post(chat):  # -> (the reply's text cut at `stop`, its completion tokens)
+        body = json.dumps({"model": cfg.judge_model or cfg.model, "messages": chat, "temperature": 0, "max_tokens": max_new_tokens,
+                           "stop": [stop]}).encode()
+        for attempt in range(retries + 1):
+            try:
+                reply = json.load(urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=3600))
+                return reply["choices"][0]["message"]["content"].split(stop)[0], (reply.get("usage") or {}).get("completion_tokens", 0)
+            except urllib.error.HTTPError as e:
+                cause, final = f"HTTP {e.code} {e.reason}: {e.read().decode(errors='replace')[:200]}", e.code != 429 and e.code < 500
+            except (OSError, ValueError, LookupError, TypeError, AttributeError) as e:  # refused, reset, timed out; no chat completion
+                cause, final = f"{type(e).__name__}: {getattr(e, 'reason', e)}", not isinstance(e, OSError)
+            if final or attempt == retries:
+                raise UsageError(f"--judge-url {url}: {' '.join((cause.replace(key, '***') if key else cause).split())} (after "
+                                 f"{attempt + 1} tries); finished chunks are kept, rerun to resume")
+            time.sleep(2 ** attempt)
+    pool, texts, n_tokens = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency), [], 0
+    bar = tqdm(pool.map(post, chats), total=len(chats), desc=desc, unit="seq", leave=False)
     try:
-        with tqdm(total=len(chats), desc=desc, unit="seq", leave=False) as bar:
-            for done in concurrent.futures.as_completed(futures):
-                n_tokens += done.result()[1]
-                bar.update(1)
-                bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
-    finally:  # on a failure: the requests not yet sent are dropped, those waiting to retry give up
-        abort.set()
-        pool.shutdown(cancel_futures=True)
-    return [[f.result()[0]] for f in futures], n_tokens
-
-
-JUDGE_TIMEOUT_S = 3600  # one request's longest wait: a busy server may queue it behind many 1,000-token answers
-
-
-def post_json(url, body, retries, abort):
-    """POST `body` as JSON -> the decoded reply. Connection errors, timeouts, 429 and 5xx are retried
-    `retries` times after 1, 2, 4, ... s; then, or at once on another status, one UsageError line
-    naming the URL and the status or cause. $OPENAI_API_KEY, when set, goes only into the header."""
-    key = os.environ.get("OPENAI_API_KEY", "")
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                                      **({"Authorization": f"Bearer {key}"} if key else {})})
-    for attempt in range(retries + 1):
-        try:
-            with urllib.request.urlopen(request, timeout=JUDGE_TIMEOUT_S) as reply:
-                return json.loads(reply.read())
-        except urllib.error.HTTPError as e:
-            cause = f"HTTP {e.code} {e.reason}: {e.read().decode(errors='replace')[:200]}"
-            if e.code != 429 and e.code < 500:
-                break
-        except (OSError, ValueError) as e:  # refused, reset, timed out; a reply that is not JSON
-            cause = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-        if attempt == retries or abort.wait(2 ** attempt):  # another request already failed for good
-            break
-    abort.set()
-    cause = " ".join(cause.replace(key, "***").split()) if key else " ".join(cause.split())
-    raise UsageError(f"--judge-url {url}: {cause} (after {attempt + 1} tries); finished chunks are kept, rerun to resume")
+        for text, n in bar:
+            texts.append([text])
+            bar.set_postfix(tok_s=f"{(n_tokens := n_tokens + n) / (time.time() - start):.1f}")
+    finally:  # after a failure, requests not yet sent are dropped (those retrying end within their backoff)
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+    return texts, n_tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1208,20 +1166,17 @@ def read_rollouts(run_dir):
 
 
 def lock_folder(folder):
-    """One command per run folder: the main process holds <folder>/.lock (flock) until it exits; the
-    kernel frees it when the process dies, by kill -9 too, so a rerun after a kill takes it over
-    silently. A second command on the folder gets one line naming the holder (pid, host)."""
+    """One command per run folder: the main process holds a POSIX lock on <folder>/.lock until it exits
+    (a later stage of the same process takes it again); the kernel frees it when the process dies, by
+    kill -9 too, so a rerun after a kill takes it over silently. A second command on the folder gets
+    one line naming the holder (pid, host). The file stays open: closing it would free the lock."""
+    os.makedirs(folder, exist_ok=True)
     fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fd stays open, and the folder locked, for the process's life
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode().split()
-        os.close(fd)
-        if holder[:1] != [str(os.getpid())]:  # not a later stage of this same process (run_until_pairs, a notebook)
-            raise UsageError(f"{folder}: in use by process {' on '.join(holder)}; wait for it to end, or use another folder")
-        return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {socket.gethostname()}".encode())
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise UsageError(f"{folder}: in use by process {' on '.join(os.pread(fd, 200, 0).decode().split())}; wait, or use another")
+    os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}".ljust(200).encode(), 0)
 
 
 def check_run_config(path, flags, advice="use a new run folder", free=()):
@@ -1268,13 +1223,13 @@ def run_chunks(run_dir, keys, done, chunks, todo, work, seed, state):
 def run_stage(out, keys, flags, model_paths, dtype, work, cfg):
     """What collect and both evals share: refuse a resume with other generation flags, plan the
     chunks (a chunk is unfinished while one of its keys has no record), load the models this
-    process needs (each distinct path once; none when its share is done), record the flags,
+    process needs (each distinct path once; none when its share is done; no judge with --judge-url), record the flags,
     run. work(models, keys) -> records. Returns {key: record} on the main process, else None.
     The process's place among those `accelerate launch` or torchrun started is accelerate's."""
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    model_paths = {role: path for role, path in model_paths.items() if role != "judge" or not getattr(cfg, "judge_url", "")}
     os.makedirs(out, exist_ok=True)
-    if state.is_main_process:
-        lock_folder(out)
+    lock_folder(out) if state.is_main_process else None
     check_run_config(os.path.join(out, "config.json"), flags)
     done = read_rollouts(out)
     chunks = [keys[i:i + cfg.chunk_cases] for i in range(0, len(keys), cfg.chunk_cases)]
@@ -1356,14 +1311,13 @@ def train_loop(cfg, model, tok, data, accelerator, state_dir, progress):
     eval_loader = torch.utils.data.DataLoader(eval_ex or train_ex[:1], batch_size=cfg.batch_size, collate_fn=collate)
     batches = math.ceil(math.ceil(len(train_ex) / cfg.batch_size) / accelerator.num_processes)  # per process, per epoch
     plan = {"steps": min(epochs * math.ceil(batches / cfg.grad_accum), cfg.max_steps or float("inf")), "epochs": epochs, "collate": collate}
-    model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     # DeepSpeed reads the micro-batch size from a loader prepared with the model: the eval one
     model, optimizer, eval_loader = accelerator.prepare(model, make_optimizer(model, cfg, accelerator), eval_loader)
     if "ref_chosen" not in train_ex[0]:
         add_reference(model, tok, data, cfg, accelerator, state_dir)
-        model.train()
+    model.train()
     if progress:
         accelerator.load_state(os.path.join(state_dir, progress["dir"]))
         rebuild_cpu_adam_cache(optimizer)
@@ -1382,8 +1336,7 @@ def finish_training(cfg, out, accelerator, model, tok, p, metrics):
     save_checkpoint(accelerator, model, tok, out, metrics)
     if accelerator.is_main_process and not cfg.keep_state:
         shutil.rmtree(out + ".state", ignore_errors=True)
-    accelerator.print(f"saved {out} ({p['step']} steps, {metrics['train/pairs_per_s']:.2f} pairs/s, "
-                      f"peak RSS {metrics['train/peak_rss_mb']:.0f} MB)")
+    accelerator.print(f"saved {out} ({p['step']} steps, {metrics['train/pairs_per_s']:.2f} pairs/s, {metrics['train/peak_rss_mb']:.0f} MB RSS)")
 
 
 def generation_flags(cfg, **shape):
@@ -1392,19 +1345,10 @@ def generation_flags(cfg, **shape):
     return {**{k: getattr(cfg, k) for k in keys}, **({"judge_url": cfg.judge_url} if getattr(cfg, "judge_url", "") else {}), **shape}
 
 
-def local_models(paths, cfg):
-    """{role: model path} that this process loads: every one but a served judge's (--judge-url)."""
-    return {role: path for role, path in paths.items() if role != "judge" or not cfg.judge_url}
-
-
 def check_rollout_flags(cfg):
     """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 resolved."""
-    needs = cfg.judge_url and ("--judge-protocol privacylens: strict writes the judge's answer slot itself, which a server "
-                               "cannot" if cfg.judge_protocol != "privacylens" else "--judge-model, the name the server serves "
-                               "the judge under" if not cfg.judge_model else "an http:// or https:// URL" * (
-                                   not cfg.judge_url.startswith(("http://", "https://"))))
-    if needs:
-        raise UsageError(f"--judge-url needs {needs}")
+    if cfg.judge_url and (cfg.judge_protocol != "privacylens" or not cfg.judge_url.startswith(("http://", "https://"))):
+        raise UsageError("--judge-url takes an http(s):// URL and --judge-protocol privacylens (strict needs its answer slot)")
     return dataclasses.replace(cfg, judge_max_new_tokens=cfg.judge_max_new_tokens or (1000 if cfg.judge_protocol == "privacylens" else 256))
 
 
@@ -1462,9 +1406,6 @@ def no_pairs_reasons(summary, taus):
 # ----------------------------------------------------------------------------------------------
 
 
-PAIR_FIELDS = ("case", "role", "prompt", "chosen", "rejected")
-
-
 def read_pair_rows(source):
     """Rows of a pairs JSONL file (our reader names a bad line) or of a hub dataset id (`datasets`)."""
     if not source:
@@ -1482,7 +1423,7 @@ def load_pairs(source, role=""):
     "chosen", "rejected"}, or the same columns in a hub dataset. Returns (role, pairs)."""
     pairs = []
     for n, pair in enumerate(read_pair_rows(source), 1):
-        missing = [k for k in PAIR_FIELDS if not isinstance(pair, dict) or pair.get(k) is None]
+        missing = [k for k in ("case", "role", "prompt", "chosen", "rejected") if not isinstance(pair, dict) or pair.get(k) is None]
         role = role or ("" if missing else pair["role"])
         chat = not missing and isinstance(pair["prompt"], list) and pair["prompt"] and all(
             isinstance(m, dict) and {"role", "content"} <= m.keys() for m in pair["prompt"])
@@ -1505,25 +1446,19 @@ def tokenize_pairs(tok, pairs, max_length):
     sampled tokens wherever the tokenizer allows (alone, a sentencepiece tokenizer reads 'Thought' as
     '▁Thought'); where that split is not clean, the text alone (counted). A pair over max_length loses
     the middle of the case's trajectory, nothing else (SPEC 8); one whose trajectory cannot absorb the
-    cut is skipped. Returns (examples, Counter of truncated, skipped and unclean_splits)."""
+    cut is skipped. Returns (examples, Counter of truncated_pairs, skipped_pairs and unclean_splits)."""
     texts = [chat_text(tok, p["prompt"]) for p in pairs]
-    ids = {key: tok([t + p[key] if key != "prompt" else t for t, p in zip(texts, pairs)], add_special_tokens=False)["input_ids"]
-           for key in ("prompt", "chosen", "rejected")}
-    examples, counts = [], collections.Counter(truncated=0, skipped=0, unclean_splits=0)
-    for i, (text, prompt) in enumerate(zip(texts, ids["prompt"])):
-        responses = []
-        for key in ("chosen", "rejected"):
-            clean = ids[key][i][:len(prompt)] == prompt
-            counts["unclean_splits"] += not clean
-            alone = [] if clean else tok(pairs[i][key], add_special_tokens=False)["input_ids"]
-            responses.append((ids[key][i][len(prompt):] if clean else alone) + [tok.eos_token_id])
-        excess = len(prompt) + max(map(len, responses)) - max_length
-        if excess > 0:
-            prompt = cut_trajectory(tok, text, prompt, excess)
-            counts["truncated" if prompt else "skipped"] += 1
-            if not prompt:
-                continue
-        examples.append({"prompt": prompt, "chosen": responses[0], "rejected": responses[1]})
+    prompts = tok(texts, add_special_tokens=False)["input_ids"]
+    whole = {k: tok([t + p[k] for t, p in zip(texts, pairs)], add_special_tokens=False)["input_ids"] for k in ("chosen", "rejected")}
+    examples, counts = [], collections.Counter(truncated_pairs=0, skipped_pairs=0, unclean_splits=0)
+    for i, (text, prompt) in enumerate(zip(texts, prompts)):
+        clean = {k: ids[i][:len(prompt)] == prompt for k, ids in whole.items()}
+        chosen, rejected = [(whole[k][i][len(prompt):] if clean[k] else tok(pairs[i][k], add_special_tokens=False)["input_ids"])
+                            + [tok.eos_token_id] for k in whole]
+        excess = len(prompt) + max(len(chosen), len(rejected)) - max_length
+        prompt = cut_trajectory(tok, text, prompt, excess) if excess > 0 else prompt
+        counts.update(unclean_splits=2 - sum(clean.values()), truncated_pairs=excess > 0 and prompt is not None, skipped_pairs=prompt is None)
+        examples += [{"prompt": prompt, "chosen": chosen, "rejected": rejected}] if prompt else []
     return examples, counts
 
 
@@ -1531,16 +1466,12 @@ def cut_trajectory(tok, text, prompt, excess):
     """`prompt` (the tokens of `text`) without `excess` tokens from the middle of the case's past
     trajectory (the slot of P.CONTEXT), every other token as it was; None when the trajectory has
     fewer whole tokens than that, or the prompt has no such slot."""
-    before, after = P.CONTEXT.split("{trajectory}")
-    head, tail = before[before.rindex("## "):], after[:after.index("\n", 2)]  # its heading line; the next heading
-    start = text.find(head) + len(head)
-    end = text.find(tail, start) if start >= len(head) else -1
-    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    inside = [i for i, (a, b) in enumerate(offsets) if start <= a and b <= end]  # whole tokens of the trajectory
-    if len(inside) <= excess:
-        return None
+    before, after = P.CONTEXT.split("{trajectory}")  # the slot: between its heading line and the next heading
+    slot = re.search(re.escape(before[before.rindex("## "):]) + "(.*?)" + re.escape(after[:after.index("\n", 2)]), text, re.S)
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"] if slot else []
+    inside = [i for i, (a, b) in enumerate(offsets) if slot.start(1) <= a and b <= slot.end(1)]  # its whole tokens
     keep = (len(inside) - excess) // 2
-    return prompt[:inside[keep]] + prompt[inside[keep + excess]:]
+    return prompt[:inside[keep]] + prompt[inside[keep + excess]:] if len(inside) > excess else None
 
 
 def collate_pairs(examples, pad_id):
@@ -1603,23 +1534,6 @@ def batch_logps(model, batch, chunk=1024):
     return sums[0], sums[1]
 
 
-@torch.inference_mode()
-def reference_logps(model, examples, batch_size, pad_id, state):
-    """Adds ref_chosen / ref_rejected to every example, once, before training: no reference
-    model is held in memory while the policy is optimised. Each process scores its share
-    (longest first), then all shares are gathered."""
-    model.eval()
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["prompt"]))[state.process_index::state.num_processes]
-    scores = []
-    for b in tqdm(range(0, len(order), batch_size), desc="reference log-probs", unit="batch", disable=not state.is_main_process):
-        idx = order[b:b + batch_size]
-        batch = {k: v.to(model.device) for k, v in collate_pairs([examples[i] for i in idx], pad_id).items()}
-        chosen, rejected = batch_logps(model, batch)
-        scores += list(zip(idx, chosen.tolist(), rejected.tolist()))
-    for i, c, r in gather_object(scores):  # a single process gets its own list back
-        examples[i]["ref_chosen"], examples[i]["ref_rejected"] = c, r
-
-
 def evaluate_dpo(model, loader, beta, accelerator):
     """Mean DPO metrics over the held-out pairs, averaged over processes: eval/loss, eval/reward_acc, ..."""
     model.eval()
@@ -1674,28 +1588,36 @@ def prepare_dpo_data(cfg, role, pairs, tok, accelerator, state_dir):
         accelerator.print(f"reference log-probs and held-out split from {saved}")
         return torch.load(saved)
     examples, counts = tokenize_pairs(tok, pairs, cfg.max_length)
-    accelerator.print(f"{len(examples)} pairs for role {role}; {counts['truncated']} cut in the trajectory's middle, "
-                      f"{counts['skipped']} skipped as too long for --max-length {cfg.max_length}, "
-                      f"{counts['unclean_splits']} responses tokenized apart from their prompt")
+    accelerator.print(f"{len(examples)} pairs for role {role}; {counts['truncated_pairs']} cut in the trajectory's middle, "
+                      f"{counts['skipped_pairs']} too long for --max-length {cfg.max_length}, {counts['unclean_splits']} responses "
+                      "tokenized apart from their prompt")
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     random.Random(cfg.seed).shuffle(examples)
     n_eval = int(len(examples) * cfg.eval_fraction) if len(examples) >= 10 else 0
-    return examples[n_eval:], examples[:n_eval], {f"train/{k}_pairs" if k != "unclean_splits" else f"train/{k}": v
-                                                   for k, v in counts.items()}
+    return examples[n_eval:], examples[:n_eval], {f"train/{k}": v for k, v in counts.items()}
 
 
+@torch.inference_mode()
 def add_reference(model, tok, data, cfg, accelerator, state_dir):
-    """Reference log-probs of every example by the prepared model, before its first step: in the
+    """Reference log-probs (ref_chosen, ref_rejected) of every example, once, before training, so no
+    reference model is held while the policy is optimised; taken from the prepared model, in the
     precision it trains in on every path (autocast bf16, DDP, DeepSpeed's own bf16 weights cast at
-    prepare), so step 0 sits at log 2. Saved in <out>.state/reference.pt with the split."""
-    start = time.time()
-    reference_logps(accelerator.unwrap_model(model), data[0] + data[1], cfg.batch_size, tok.pad_token_id, accelerator.state)
+    prepare), so step 0 sits at log 2. Each process scores its share (longest first), then all shares
+    are gathered and saved in <out>.state/reference.pt with the split."""
+    model, examples, start, scores = accelerator.unwrap_model(model).eval(), data[0] + data[1], time.time(), []
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["prompt"]))[accelerator.process_index::accelerator.num_processes]
+    for b in tqdm(range(0, len(order), cfg.batch_size), desc="reference log-probs", unit="batch", disable=not accelerator.is_main_process):
+        idx = order[b:b + cfg.batch_size]
+        chosen, rejected = batch_logps(model, {k: v.to(model.device) for k, v in collate_pairs([examples[i] for i in idx],
+                                                                                                  tok.pad_token_id).items()})
+        scores += list(zip(idx, chosen.tolist(), rejected.tolist()))
+    for i, c, r in gather_object(scores):  # a single process gets its own list back
+        examples[i]["ref_chosen"], examples[i]["ref_rejected"] = c, r
     data[2]["train/reference_seconds"] = round(time.time() - start, 1)
-    saved = os.path.join(state_dir, "reference.pt")
     if accelerator.is_main_process:
-        torch.save(data, saved + ".tmp")
-        os.replace(saved + ".tmp", saved)
+        torch.save(data, os.path.join(state_dir, "reference.pt.tmp"))
+        os.replace(os.path.join(state_dir, "reference.pt.tmp"), os.path.join(state_dir, "reference.pt"))
 
 
 def epoch_loader(examples, epoch, cfg, collate, accelerator, skip=0):
@@ -1734,12 +1656,11 @@ def dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader, plan, accelerat
             if not accelerator.sync_gradients:
                 continue
             p["step"], p["seconds"] = p["step"] + 1, time.time() - start
-            row = {"step": p["step"], "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
-                   "train/lr": lr, "train/pairs_per_s": p["seen"] / p["seconds"]}
+            row, window = {"step": p["step"], "epoch": epoch, **{f"train/{k}": sum(w[k] for w in window) / len(window) for k in m},
+                           "train/lr": lr, "train/pairs_per_s": p["seen"] / p["seconds"]}, []
             if eval_loader is not None and (p["step"] % cfg.eval_every == 0 or p["step"] == plan["steps"]):
                 row.update(evaluate_dpo(model, eval_loader, cfg.beta, accelerator))
             p["history"].append(row)
-            window = []
             bar.update(1)
             bar.set_postfix({k: f"{row['train/' + k]:.3g}" for k in ("loss", "reward_acc", "pairs_per_s")})
             if p["step"] % cfg.log_every == 0:
@@ -1752,9 +1673,6 @@ def dpo_train_loop(cfg, model, optimizer, train_ex, eval_loader, plan, accelerat
     return bar.close() or p
 
 
-RESUMABLE_FLAGS = ("save_every", "keep_state", "log_every")  # a resumed train may change these, no others
-
-
 def open_train_state(cfg, out, accelerator):
     """<out>.state holds what a killed train resumes from: flags.json, reference.pt (see
     prepare_dpo_data), step-<k>/ (accelerate's save_state: model, optimizer, RNG; the learning rate is a
@@ -1763,11 +1681,9 @@ def open_train_state(cfg, out, accelerator):
     process count is refused; before its first saved step, a smaller --batch-size (after running out of
     memory) and another --grad-accum are taken, and the saved reference log-probs reused."""
     state_dir = out + ".state"
-    flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RESUMABLE_FLAGS}
+    flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("save_every", "keep_state", "log_every")}  # free to change
     flags.update(num_processes=accelerator.num_processes, deepspeed=accelerator.state.deepspeed_plugin is not None)
-    if accelerator.is_main_process:
-        os.makedirs(state_dir, exist_ok=True)
-        lock_folder(state_dir)
+    lock_folder(state_dir) if accelerator.is_main_process else None
     path, progress = os.path.join(state_dir, "flags.json"), os.path.join(state_dir, "progress.json")
     progress = read_json_file(progress) if os.path.exists(progress) else None
     check_run_config(path, flags, f"rerun it unchanged to resume, or remove {state_dir} to start over",
@@ -1859,8 +1775,7 @@ def plot_tradeoff(reports, path):
                                                  ("privacy_leak_at_k", "helpfulness_bin", "leak@K", "Bin"))):
         points = [(r["metrics"][x], r["metrics"][y]) for r in reports]
         for (px, py), r in zip(points, reports):
-            ci = r.get("ci95") or {}
-            err = lambda v, k: [[max(0, v - ci[k][0])], [max(0, ci[k][1] - v)]] if ci.get(k) else None  # noqa: E731
+            err = lambda v, k, ci=r.get("ci95") or {}: [[max(0, v - ci[k][0])], [max(0, ci[k][1] - v)]] if ci.get(k) else None  # noqa: E731
             ax.errorbar(px, py, xerr=err(px, x), yerr=err(py, y), fmt="o", capsize=3)
             ax.annotate(r["label"], (px, py), textcoords="offset points", xytext=(6, 6), fontsize=8)
         ax.plot(*zip(*pareto_front(points)), "--", color="gray", label="Pareto frontier")
@@ -1889,10 +1804,8 @@ def confaide_blocks(path):
     blocks, start, header, body = [], None, "", []
     for n, line in enumerate(lines + ["<BEGIN>"], 1):  # a sentinel: an unclosed last block fails like any other
         text = line.strip()
-        if text.startswith("<BEGIN>") and start:
-            raise UsageError(f"{path}: line {start}: <BEGIN> without an <END>")
-        if text.startswith("<END>") and not start:
-            raise UsageError(f"{path}: line {n}: <END> without a <BEGIN>")
+        if text.startswith("<BEGIN>" if start else "<END>"):  # a block opened twice, or closed without being opened
+            raise UsageError(f"{path}: line {start or n}: " + ("<BEGIN> without an <END>" if start else "<END> without a <BEGIN>"))
         if text.startswith("<BEGIN>"):
             start, header, body = n, text[len("<BEGIN>"):], []
         elif text.startswith("<END>"):
@@ -1931,9 +1844,8 @@ def confaide_items(path, tier):
 
 def load_confaide(source, tiers, num_cases):
     """{"tier3/17": (tier, index, item)}: the first num_cases items of each tier's file (all when 0)."""
-    folder = source or os.path.join(HERE, "data", "confaide")
-    return {f"tier{tier}/{i}": (tier, i, item) for tier in tiers for i, item in
-            enumerate(confaide_items(os.path.join(folder, f"tier_{tier}.txt"), tier)[:num_cases if num_cases > 0 else None])}
+    return {f"tier{tier}/{i}": (tier, i, item) for tier in tiers for i, item in enumerate(confaide_items(os.path.join(
+        source or os.path.join(HERE, "data", "confaide"), f"tier_{tier}.txt"), tier)[:num_cases if num_cases > 0 else None])}
 
 
 def confaide_chunk(items, model, tok, cfg):
@@ -1977,29 +1889,25 @@ class ShowConfig:
 
 def cmd_show(cfg):
     """Print one case of a run: a collect's tree (V per node, pairs marked +/-, each leaf's judgment) or an eval's samples."""
-    path = os.path.join(cfg.run, "config.json")
-    config = read_json_file(path) if os.path.exists(path) else {}
-    if config.get("benchmark") == "confaide" or "topology" not in config:
+    config = read_json_file(os.path.join(cfg.run, "config.json")) if os.path.exists(os.path.join(cfg.run, "config.json")) else {}
+    if "topology" not in config or config.get("benchmark") == "confaide":
         raise UsageError(f"{cfg.run}: neither a collect nor a PrivacyLens eval folder (show reads those)")
-    rec = case_record(cfg.run, cfg.case)
-    case = {c["name"]: c for c in load_cases(config["data"], "all")}[rec["case"]]
-    root, width = node_from_dict(rec["tree"]), shutil.get_terminal_size().columns
+    rec, width, summary = case_record(cfg.run, cfg.case), shutil.get_terminal_size().columns, os.path.join(cfg.run, "summary.json")
+    case, root = {c["name"]: c for c in load_cases(config["data"], "all")}[rec["case"]], node_from_dict(rec["tree"])
     paint = (lambda color, text: f"\033[{color}m{text}\033[0m") if sys.stdout.isatty() else (lambda color, text: text)
-    if "policy" not in config["models"]:  # an eval: K chains, the last node of each judged
-        print(f"{rec['case']}: {len(list(leaves_with_paths(root)))} samples of {','.join(config['topology'])}, "
-              f"judge {config['judge_protocol']} ({config['models']['judge']})")
-        for n, (leaf, _) in enumerate(list(leaves_with_paths(root))[:cfg.limit or None], 1):
-            print(*show_judgment(leaf.judgment, case, width, paint, "", f"sample {n}: "), sep="\n")
-        return
-    summary = os.path.join(cfg.run, "summary.json")
-    flags = read_json_file(summary)["flags"] if os.path.exists(summary) else dataclasses.asdict(CollectConfig())
+    if "policy" not in config["models"]:  # an eval: K chains, each one's last output judged
+        samples = [leaf for leaf, _ in leaves_with_paths(root)]
+        return print(f"{rec['case']}: {len(samples)} samples of {','.join(config['topology'])}, judge {config['judge_protocol']}",
+                     *[line for n, leaf in enumerate(samples[:cfg.limit or None], 1)
+                       for line in show_judgment(leaf.judgment, case, width, paint, "", f"sample {n}: ")], sep="\n")
+    flags = read_json_file(summary)["flags"] if os.path.exists(summary) else dataclasses.asdict(CollectConfig())  # b1 ... tau
     reward_kw, taus = {k: flags[k] for k in ("b1", "b2", "alpha", "beta")}, parse_taus(flags["tau"], config["topology"])
-    print(f"{rec['case']} V={show_values(root, reward_kw) or 0:+.3f}: {', '.join(f'{k}={v}' for k, v in reward_kw.items())}, tau {flags['tau']}"
-          + ("" if os.path.exists(summary) else " (defaults: the collect has not finished)"))
-    for line in show_tree(root, case, taus, width, cfg.limit, paint):
-        print(line)
-    pairs = pairs_from_records([rec], taus, reward_kw)[0]
-    print("pairs: " + ", ".join(f"{role} {len(p)}" for role, p in pairs.items()))
+    scored = score_tree(root, reward_kw)  # exactly as pairs are built: unparsed leaves out, then Eq. 1 and the means
+    value = {id(node.prompt): node.value for node in walk(scored)} if scored and propagate_values(scored) is not None else {}
+    print(f"{rec['case']} V={value.get(id(root.prompt), math.nan):+.3f}: {', '.join(f'{k}={v}' for k, v in reward_kw.items())}, "
+          f"tau {flags['tau']}" + ("" if os.path.exists(summary) else " (the defaults: collect has not finished)"),
+          *show_tree(root, value, case, taus, width, cfg.limit, paint), "pairs: " + ", ".join(
+              f"{role} {len(p)}" for role, p in pairs_from_records([rec], taus, reward_kw)[0].items()), sep="\n")
 
 
 def case_record(run, name):
@@ -2007,53 +1915,38 @@ def case_record(run, name):
     names = []
     for path in sorted(glob.glob(os.path.join(run, "rollouts*.jsonl"))):
         for line in open(path):
-            found = re.match(r'\{"case": ("(?:[^"\\]|\\.)*")', line)
-            names += [json.loads(found.group(1))] if found else []
-            if found and names[-1] == (name or names[0]):
+            names += [json.loads(m.group(1)) for m in [re.match(r'\{"case": ("(?:[^"\\]|\\.)*")', line)] if m]
+            if names and names[-1] == (name or names[0]):
                 return json.loads(line)
     raise UsageError(f"{run}: no case {name!r}" + (f"; it holds {', '.join(names[:5])}, ..." if names else ": no rollouts yet"))
 
 
-def show_values(node, reward_kw):
-    """V on every node as pairs_from_records computes it (score_tree, then propagate_values), kept on
-    the whole tree: an unparsed leaf and an inner node with no scored leaf below get None."""
-    if not node.children:
-        node.value = leaf_reward(node.judgment, reward_kw)
-        return node.value
-    values = [v for v in map(lambda c: show_values(c, reward_kw), node.children) if v is not None]
-    node.value = sum(values) / len(values) if values else None
-    return node.value
-
-
-def show_tree(node, case, taus, width, limit, paint, depth=0):
-    """The outline below `node`: role, V and the output's first line; + / - on siblings that became the
-    chosen / rejected side of pairs (V against their role's tau); each leaf's judgment below it."""
+def show_tree(node, value, case, taus, width, limit, paint, depth=0):
+    """The outline below `node`: role, V (value: by id of the node's prompt list, which score_tree's
+    copies share; U where a leaf or all below it are unparsed) and the output's first line; + / - on
+    the siblings that become the chosen / rejected side of pairs (build_pairs); leaves' judgments."""
     kids, lines, indent = node.children, [], "  " * depth
-    tau = taus.get(kids[0].role) if kids else None
-    scored = [c.value for c in kids if c.value is not None]
-    paired = tau is not None and min(scored, default=0) < tau <= max(scored, default=0)  # values on both sides of tau
+    tau, vs = taus.get(kids[0].role) if kids else None, [value[id(c.prompt)] for c in kids if id(c.prompt) in value]
     for child in kids[:limit or None]:
-        mark = ("+" if child.value >= tau else "-") if paired and child.value is not None else " "
-        value = "V=  U   " if child.value is None else f"V={child.value:+.3f}"
-        text = f"{indent}{mark} {child.role:<9} {value}  {(child.output.strip().splitlines() or [''])[0]}"[:width]
-        lines.append(indent + paint("32" if mark == "+" else "31", mark) + text[len(indent) + 1:])
-        lines += [] if child.children else show_judgment(child.judgment, case, width, paint, indent + "    ")
-        lines += show_tree(child, case, taus, width, limit, paint, depth + 1)
+        v = value.get(id(child.prompt))
+        mark = " " if v is None or tau is None or not min(vs) < tau <= max(vs) else "+" if v >= tau else "-"
+        text = f"{indent}{mark} {child.role:<9} {'V=  U   ' if v is None else f'V={v:+.3f}'}  {child.output.strip()[:200].split(chr(10))[0]}"
+        lines.append(indent + paint("32" if mark == "+" else "31", mark) + text[len(indent) + 1:width])
+        lines += show_tree(child, value, case, taus, width, limit, paint, depth + 1) if child.children else \
+            show_judgment(child.judgment, case, width, paint, indent + "    ")
     return lines + ([f"{indent}  ... {len(kids) - limit} more"] if limit and len(kids) > limit else [])
 
 
 def show_judgment(j, case, width, paint, indent, title=""):
     """Lines for one judged output: valid or not, helpfulness 0-3 (U: unparsed), each leaked item by its
     text; with a `title` (eval samples), also the judged action and the judge's own words."""
-    items, cut = case["trajectory"]["sensitive_info_items"], lambda text: " ".join(str(text).split())[:width - 12]  # noqa: E731
+    items, cut = case["trajectory"]["sensitive_info_items"], lambda text: " ".join(str(text).split())[:width - 20]  # noqa: E731
     leaked = [("U " if x is None else "") + items[i] for i, x in enumerate(j["leaks"]) if x is not False]
     head = (f"{indent}{title}{'valid' if j['valid'] else 'invalid'}, helpfulness {'U' if j['helpfulness'] is None else j['helpfulness']}"
-            f", leaked {sum(x is True for x in j['leaks'])}/{len(items)}" + (": " + "; ".join(x[:40] for x in leaked) if leaked else ""))
-    lines = [paint("31" if leaked else "32", head[:width])]
-    if title:
-        lines += [f"{indent}  action: {cut(j['action'] or '-')}"] + [paint("31", f"{indent}  leaked: {cut(x)}") for x in leaked]
-        lines += [f"{indent}  judge on {cut(name)[:24]}: {cut(text)}" for name, text in zip(items + ["helpfulness"], j["judge_outputs"])]
-    return lines
+            f", leaked {sum(x is True for x in j['leaks'])}/{len(items)}" + ": " * bool(leaked) + "; ".join(x[:40] for x in leaked))
+    return [paint("31" if leaked else "32", head[:width])] + ([f"{indent}  action: {cut(j['action'] or '-')}"] + [
+        f"{indent}  leaked: {cut(x)}" for x in leaked] + [f"{indent}  judge on {cut(n)[:24]}: {cut(t)}" for n, t in zip(
+            items + ["helpfulness"], j["judge_outputs"])] if title else [])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2097,8 +1990,7 @@ COMMANDS = {"collect": (CollectConfig, cmd_collect), "train": (TrainConfig, cmd_
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="privact.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="privact.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, command) in COMMANDS.items():
         add_config_args(sub.add_parser(name, help=command.__doc__, description=command.__doc__), cls)
@@ -2114,9 +2006,8 @@ def main(argv=None):
         print(f"privact {ns.command}: error: {e}", file=sys.stderr)
         return 2
     except torch.cuda.OutOfMemoryError:  # every finished chunk (train: the saved state) is on disk
-        print(f"privact {ns.command}: error: out of memory at --batch-size {ns.batch_size}: rerun the same command with a "
-              "smaller --batch-size to resume" + (" (and a larger --grad-accum for the same pairs per step)" if ns.command ==
-                                                  "train" else " where it stopped"), file=sys.stderr)
+        print(f"privact {ns.command}: error: out of memory at --batch-size {ns.batch_size}: rerun the same command with a smaller "
+              f"--batch-size to resume{' (and a larger --grad-accum, for as many pairs per step)' * (ns.command == 'train')}", file=sys.stderr)
         return 2
     finally:  # stop gloo's worker threads while the interpreter still runs: left to its exit they can abort it (SIGABRT)
         if torch.distributed.is_initialized():
