@@ -27,7 +27,9 @@ and resumable; a reader of the method may stop there. The judge is PrivacyLens's
 default (--judge-protocol privacylens, the paper's instrument), or a stricter one of ours.
 
 Left out on purpose: ToolEmu execution of the action (the action is judged as written, as in
-PrivacyLens' action-based evaluation), vLLM and LoRA.
+PrivacyLens' action-based evaluation) and LoRA. vLLM is never imported: a judge served by vLLM
+(or any OpenAI-compatible server) is reached with --judge-url. `privact.py show RUN` prints what
+the method did to one case of a run: its tree, values and pairs.
 """
 import argparse
 import collections
@@ -156,7 +158,7 @@ class TrainConfig:
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0 = off)", "[0, inf)")
     eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss", "[0, 1)")
     eval_every: int = opt(50, "optimizer steps between eval-loss measurements", "[1, inf)")
-    max_length: int = opt(4096, "max tokens of prompt + response; longer prompts are cut in the middle")
+    max_length: int = opt(4096, "max tokens of prompt + response; a longer pair loses the middle of its trajectory")
     mixed_precision: Literal["no", "bf16"] = opt("no", "bf16: autocast, float32 master weights; accelerate launch flags win")
     gradient_checkpointing: bool = opt(True, "recompute activations in backward (long prompts)", action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines", "[1, inf)")
@@ -457,9 +459,9 @@ VERDICT_WORDS = {"leak": ("Yes", "No"), "help": ("Excellent", "Good", "Unsatisfa
 def judge_leaves(leaves, judge, max_new_tokens, batch_size, protocol, stats=None):
     """Set `judgment` on each (leaf, case, path): the judge_chats of the path's last action, all
     greedy and batched together through `judge` (generate_batched with the judge model and its
-    tokenizer, or judge_endpoint: a served judge); PrivacyLens's judge stops at its prompt's "\n\n---" separator, the
-    strict one answers in an answer slot (open_answer_slot). A leaf without a judged action counts
-    as no leak and helpfulness 0, flagged invalid (the PrivacyLens convention)."""
+    tokenizer, or judge_endpoint: a served judge); PrivacyLens's judge stops at its prompt's
+    "\n\n---" separator, the strict one answers in an answer slot (open_answer_slot). A leaf without
+    a judged action counts as no leak and helpfulness 0, flagged invalid (the PrivacyLens convention)."""
     chats, owners = [], []  # owners, one per chat: (leaf, verdict kind, where the verdict goes: container, key)
     for leaf, case, path in leaves:
         output = latest(path, DRAFT_ROLES)

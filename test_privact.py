@@ -1069,13 +1069,22 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert body["stop"] == ["\n\n---"] and body["messages"][0]["role"] == "user"
         assert all(j["judge_outputs"] == ["It does.\nAnswer: Yes"] * 3 and j["leaks"] == [True, True] for j in judgments)
         assert json.loads((run / "summary.json").read_text())["collect/judge_tokens"] == 24 * 5  # from `usage`
+        assert run_cli(*eval_args(data_file, tmp_path / "eval", tiny_model, "--baseline", "vanilla", "--num-cases", "1",
+                                  "--judge-url", url, "--judge-model", "served-judge")) == 0
+        report, config = (json.loads((tmp_path / "eval" / f).read_text()) for f in ("report.json", "config.json"))
+        assert (report["flags"]["judge_url"], report["flags"]["judge_model"]) == (url, "served-judge") == (
+            config["judge_url"], config["models"]["judge"])
+        assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url,
+                                     "--judge-model", "another-judge")) == 2  # a resume keeps its judge
+        printed = list(capfd.readouterr())
+        assert "'judge': 'served-judge'" in printed[1]
         bad = tmp_path / "bad"
         assert run_cli(*collect_args(data_file, bad, tiny_model, "--num-cases", "1", "--judge-url", url,
                                      "--judge-model", "no-such-model")) == 2
         out, err = capfd.readouterr()  # everything both commands printed, from this process and any other
         line, = [x for x in err.splitlines() if "error:" in x]
         assert "HTTP 404" in line and "no-such-model" in line and "***" in line and "(after 1 tries)" in line
-        for where in (out, err, *[f.read_bytes().decode(errors="replace") for f in tmp_path.rglob("*") if f.is_file()]):
+        for where in (*printed, out, err, *[f.read_bytes().decode(errors="replace") for f in tmp_path.rglob("*") if f.is_file()]):
             assert key not in where
         assert run_cli(*collect_args(data_file, tmp_path / "s", tiny_model, "--judge-url", url, "--judge-model", "served-judge",
                                      "--judge-protocol", "strict")) == 2
@@ -1914,7 +1923,7 @@ def test_python_on_path_keeps_a_venv_interpreter(tmp_path):
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "only_in_this_venv.py").write_text("")
     Path(site, "tests_interpreter.pth").write_text("\n".join(running.getsitepackages()) + "\n")
-    probe = ["python", "-c", "import sys, torch, only_in_this_venv; print(sys.prefix)"]
+    probe = ["python", "-c", "import sys, only_in_this_venv, torch; print(sys.prefix)"]
     env = python_on_path(tmp_path / "shim", venv / "bin" / "python")
     done = subprocess.run(probe, env=env, capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == str(venv), done.stderr[-2000:]
