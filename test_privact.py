@@ -373,7 +373,7 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
 def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
     """Literal fields take only their values, every number its declared interval (finite values only), in
     every command, before anything loads or is written: one line each, exit 2."""
-    for args, message in [(("collect", "--dtype", "fp8"), "--dtype 'fp8': use one of 'bfloat16', 'float32', 'float16'"),
+    for args, message in [(("collect", "--dtype", "fp8"), "--dtype 'fp8': use one of 'auto', 'bfloat16', 'float32', 'float16'"),
                           (("collect", "--chunk-cases", "0"), "--chunk-cases 0: must be a finite number in [1, inf)"),
                           (("collect", "--b1", "nan"), "--b1 nan: must be a finite number in [-1, 1]"),
                           (("collect", "--b2", "1.5"), "--b2 1.5: must be a finite number in [0, 1]"),
@@ -395,7 +395,16 @@ def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
     with pytest.raises(SystemExit):
         privact.main(["collect", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "--dtype {bfloat16,float32,float16}" in shown and "(default: 0.3; in [0, 1])" in shown  # values, intervals
+    assert "--dtype {auto,bfloat16,float32,float16}" in shown and "(default: 0.3; in [0, 1])" in shown  # values, intervals
+
+
+def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
+    """--dtype auto resolves before config.json records it, so a resume on the other device is refused."""
+    for cuda, expected in [(True, "bfloat16"), (False, "float32")]:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        assert privact.check_rollout_flags(privact.CollectConfig()).dtype == expected
+        assert privact.check_rollout_flags(privact.EvalConfig(dtype="float16")).dtype == "float16"
+        assert privact.generation_flags(privact.check_rollout_flags(privact.CollectConfig()))["dtype"] == expected
 
 
 def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
@@ -1950,6 +1959,7 @@ def test_readme_quick_start_runs_verbatim(tmp_path):
         metrics = json.loads((run / role / "train_metrics.json").read_text())
         assert metrics["train/steps"] >= 1
     assert "privacy_avg" in proc.stdout and "helpfulness_bin" in proc.stdout  # the --compare table
+    assert re.search(r"^pairs: verifier \d+, refiner \d+$", proc.stdout, re.M)  # show's footer
     # the trained checkpoint is a plain transformers model (the GGUF's quantization entry is gone)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model, tok = AutoModelForCausalLM.from_pretrained(run / "refiner"), AutoTokenizer.from_pretrained(run / "refiner")

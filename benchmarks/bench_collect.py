@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--judge-protocol", default="privacylens", help="privacylens (collect's default) or strict")
     ap.add_argument("--batch-size", type=int, default=16, help="privact's sequences per generate call")
     ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (privact's default) or float32")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (privact's default on a GPU) or float32 (on a CPU)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed, the same for both sides")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     args = ap.parse_args()
