@@ -1889,7 +1889,7 @@ def test_privact_py_reads_as_the_paper_then_the_machinery():
 
 
 # ----------------------------------------------------------------------------------------------
-# the README's quick start, verbatim, on the embedded SmolLM2 model (slow: about 5 minutes;
+# the README's quick start, verbatim, on the embedded SmolLM2 model (slow: 7 to 17 minutes on 2 CPU cores;
 # deselect with -k "not readme")
 # ----------------------------------------------------------------------------------------------
 
