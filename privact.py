@@ -125,7 +125,7 @@ class RolloutConfig:
     temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)", "(0, inf)")
     batch_size: int = opt(16, "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error", "[1, inf)")
     chunk_cases: int = opt(8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", "[1, inf)")
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt("auto", "weights dtype for generation (auto: the paper's bfloat16 on a GPU, float32 on a CPU)")
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt("auto", "weights dtype for generation (auto: the paper's bfloat16 on a GPU or a CPU with bf16 units, else float32)")
     seed: int = opt(0, "seed for sampling; each chunk of cases reseeds from it")
 
 
@@ -1349,7 +1349,9 @@ def generation_flags(cfg, **shape):
 
 def check_rollout_flags(cfg):
     """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 and --dtype auto resolved."""
-    cfg = dataclasses.replace(cfg, dtype=cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32")
+    cpu = getattr(torch.cpu, "get_capabilities", dict)()  # older torch: {}; emulated bf16 ran 5x slower than float32 on AVX2
+    auto = "bfloat16" if torch.cuda.is_available() or any(cpu.get(k) for k in ("amx_bf16", "avx512_bf16", "bf16")) else "float32"
+    cfg = dataclasses.replace(cfg, dtype=auto if cfg.dtype == "auto" else cfg.dtype)
     if cfg.judge_url and (cfg.judge_protocol != "privacylens" or not cfg.judge_url.startswith(("http://", "https://"))):
         raise UsageError("--judge-url takes an http(s):// URL and --judge-protocol privacylens (strict needs its answer slot)")
     return dataclasses.replace(cfg, judge_max_new_tokens=cfg.judge_max_new_tokens or (1000 if cfg.judge_protocol == "privacylens" else 256))

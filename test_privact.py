@@ -398,10 +398,14 @@ def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
     assert "--dtype {auto,bfloat16,float32,float16}" in shown and "(default: 0.3; in [0, 1])" in shown  # values, intervals
 
 
-def test_dtype_auto_is_bfloat16_on_a_gpu_and_float32_on_a_cpu(monkeypatch):
-    """--dtype auto resolves before config.json records it, so a resume on the other device is refused."""
-    for cuda, expected in [(True, "bfloat16"), (False, "float32")]:
+def test_dtype_auto_is_bfloat16_where_the_hardware_has_it(monkeypatch):
+    """--dtype auto: bfloat16 on a GPU or a CPU with bf16 units (AMX, AVX512-BF16), else float32; resolved
+    before config.json records it, so a resume on the other kind of machine is refused."""
+    for cuda, cpu, expected in [(True, {}, "bfloat16"), (False, {"amx_bf16": True}, "bfloat16"),
+                                (False, {"avx512_bf16": True, "amx_bf16": False}, "bfloat16"),
+                                (False, {"avx2": True, "amx_bf16": False}, "float32"), (False, {}, "float32")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: cpu, raising=False)
         assert privact.check_rollout_flags(privact.CollectConfig()).dtype == expected
         assert privact.check_rollout_flags(privact.EvalConfig(dtype="float16")).dtype == "float16"
         assert privact.generation_flags(privact.check_rollout_flags(privact.CollectConfig()))["dtype"] == expected
