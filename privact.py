@@ -1349,7 +1349,9 @@ def generation_flags(cfg, **shape):
 
 def check_rollout_flags(cfg):
     """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 and --dtype auto resolved."""
-    cpu = getattr(torch.cpu, "get_capabilities", dict)()  # older torch: {}; emulated bf16 ran 5x slower than float32 on AVX2
+    # --dtype auto departs from SPEC 5's plain bfloat16 default only where bf16 is emulated: on an AVX2-only CPU,
+    # SmolLM2's bf16 prefill and decoding ran 5x slower than float32 (SPEC's 3.4x bf16 gain was on AMX).
+    cpu = getattr(torch.cpu, "get_capabilities", dict)()  # older torch: {}, so float32 on a CPU
     auto = "bfloat16" if torch.cuda.is_available() or any(cpu.get(k) for k in ("amx_bf16", "avx512_bf16", "bf16")) else "float32"
     cfg = dataclasses.replace(cfg, dtype=auto if cfg.dtype == "auto" else cfg.dtype)
     if cfg.judge_url and (cfg.judge_protocol != "privacylens" or not cfg.judge_url.startswith(("http://", "https://"))):
