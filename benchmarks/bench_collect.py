@@ -19,6 +19,7 @@ tokens privact prefilled vs a plain prefill.
 
     python benchmarks/bench_collect.py                      # 2 train cases, 2,2,2, 64 new tokens
 """
+
 import argparse
 import json
 import os
@@ -33,15 +34,22 @@ import privact  # noqa: E402
 
 def hf_generate(model, tok, chat, num_return, max_new_tokens, temperature, prefix="", stop=None):
     from transformers import GenerationConfig
+
     sample = num_return > 1
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, num_return_sequences=num_return, stop_strings=stop,
-                           pad_token_id=tok.pad_token_id, eos_token_id=privact.stop_token_ids(model, tok),
-                           **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}))
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=sample,
+        num_return_sequences=num_return,
+        stop_strings=stop,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=privact.stop_token_ids(model, tok),
+        **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}),
+    )
     text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefix
     ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=tok)
-    return [prefix + t for t in tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)]
+    return [prefix + t for t in tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)]
 
 
 def hf_loop(records, cases, roles, branching, model, tok, args):
@@ -56,7 +64,9 @@ def hf_loop(records, cases, roles, branching, model, tok, args):
         strict = args.judge_protocol == "strict"
         for leaf, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
             for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), args.judge_protocol):
-                text = hf_generate(model, tok, chat, 1, args.judge_max_new_tokens, 1.0, stop=None if strict else "\n\n---")[0]
+                text = hf_generate(
+                    model, tok, chat, 1, args.judge_max_new_tokens, 1.0, stop=None if strict else "\n\n---"
+                )[0]
                 if strict and "answer:" not in text.lower():
                     hf_generate(model, tok, chat, 1, 4, 1.0, text + "\nAnswer:")
 
@@ -94,27 +104,47 @@ def main():
     branching = privact.parse_branching(args.branching, roles)
     cases = privact.load_cases(args.data, "train", args.num_cases)
     model, tok = privact.load_model(args.model, dtype=getattr(torch, args.dtype))
-    models = {**{r: (model, tok) for r in roles}, "judge": (model, tok)}
-    cfg = argparse.Namespace(max_new_tokens=args.max_new_tokens, judge_max_new_tokens=args.judge_max_new_tokens,
-                             batch_size=args.batch_size, temperature=args.temperature, judge_protocol=args.judge_protocol)
+    models = {**dict.fromkeys(roles, (model, tok)), "judge": (model, tok)}
+    cfg = argparse.Namespace(
+        max_new_tokens=args.max_new_tokens,
+        judge_max_new_tokens=args.judge_max_new_tokens,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        judge_protocol=args.judge_protocol,
+    )
     hf_generate(model, tok, privact.build_chat("generator", cases[0], []), 1, 4, 1.0)  # untimed warm-up
 
     def privact_side():
-        return privact.rollout_chunk(cases, roles, branching, models, {r: "naive" for r in roles}, cfg)
+        return privact.rollout_chunk(cases, roles, branching, models, dict.fromkeys(roles, "naive"), cfg)
+
     ours, records = timed(privact_side, args, len(cases))
     print(f" privact: {min(ours):.1f} s per case", flush=True)
     theirs, _ = timed(lambda: hf_loop(records, cases, roles, branching, model, tok, args), args, len(cases))
     print(f" HF loop: {min(theirs):.1f} s per case", flush=True)
-    leaves = [leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))]
+    leaves = [
+        leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))
+    ]
     total = lambda k: round(sum(r[k] for r in records))  # noqa: E731
-    print(json.dumps({"bench": "collect", "args": vars(args), "threads": torch.get_num_threads(),
-                      "privact_seconds_per_case": round(min(ours), 2), "hf_loop_seconds_per_case": round(min(theirs), 2),
-                      "speedup": round(min(theirs) / min(ours), 2), "privact_runs": [round(t, 3) for t in ours],
-                      "hf_loop_runs": [round(t, 3) for t in theirs], "leaves": len(leaves),
-                      "valid_leaves": sum(j["valid"] for j in leaves),
-                      "generated_tokens": total("generated_tokens"), "judge_tokens": total("judge_tokens"),
-                      "prompt_tokens_prefilled": total("prompt_tokens_prefilled"),
-                      "prompt_tokens_plain": total("prompt_tokens_plain")}))
+    print(
+        json.dumps(
+            {
+                "bench": "collect",
+                "args": vars(args),
+                "threads": torch.get_num_threads(),
+                "privact_seconds_per_case": round(min(ours), 2),
+                "hf_loop_seconds_per_case": round(min(theirs), 2),
+                "speedup": round(min(theirs) / min(ours), 2),
+                "privact_runs": [round(t, 3) for t in ours],
+                "hf_loop_runs": [round(t, 3) for t in theirs],
+                "leaves": len(leaves),
+                "valid_leaves": sum(j["valid"] for j in leaves),
+                "generated_tokens": total("generated_tokens"),
+                "judge_tokens": total("judge_tokens"),
+                "prompt_tokens_prefilled": total("prompt_tokens_prefilled"),
+                "prompt_tokens_plain": total("prompt_tokens_plain"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ case for each, how many verdict texts equal the local judge's, and a JSON line.
     python benchmarks/bench_judge.py                          # 2 cases x 4 leaves, 64-token verdicts
 Needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette
 """
+
 import argparse
 import functools
 import json
@@ -40,8 +41,10 @@ def synthetic_leaves(cases, per_case):
     for case in cases:
         t = case["trajectory"]
         for i in range(per_case):
-            text = f"Hi, here is the update you asked for ({i})." + (f" Also: {t['sensitive_info_items'][0]}" if i % 2 else "")
-            args = {name: text for name in json.loads(privact.input_skeleton(t["final_action"]))}
+            text = f"Hi, here is the update you asked for ({i})." + (
+                f" Also: {t['sensitive_info_items'][0]}" if i % 2 else ""
+            )
+            args = dict.fromkeys(json.loads(privact.input_skeleton(t["final_action"])), text)
             output = f"Thought: I will send it.\nAction: {t['final_action']}\nAction Input: {json.dumps(args)}"
             leaves.append((privact.Node("refiner", [], output), case, [("refiner", output)]))
     return leaves
@@ -52,8 +55,21 @@ def serve(folder, continuous_batching, log):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", folder, "--device", "cpu",
-           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)] + ["--continuous-batching"] * continuous_batching
+    cmd = [
+        sys.executable,
+        "-c",
+        "from transformers.cli.transformers import main; main()",
+        "serve",
+        folder,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ] + ["--continuous-batching"] * continuous_batching
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     for _ in range(1200):
         try:
@@ -85,6 +101,7 @@ def main():
     ap.add_argument("--model", default="smollm2", help="judge model (saved as a plain folder for the server)")
     args = ap.parse_args()
     from transformers.utils.import_utils import is_serve_available
+
     if not is_serve_available():
         sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
     torch.manual_seed(0)
@@ -99,8 +116,12 @@ def main():
         for name, cb in (("serve", True), ("serve-seq", False)):
             proc, url = serve(os.path.join(folder, "judge"), cb, log)
             try:
-                cfg = argparse.Namespace(judge_url=url, judge_model=os.path.join(folder, "judge"), model="",
-                                         judge_concurrency=args.concurrency)
+                cfg = argparse.Namespace(
+                    judge_url=url,
+                    judge_model=os.path.join(folder, "judge"),
+                    model="",
+                    judge_concurrency=args.concurrency,
+                )
                 served = functools.partial(privact.judge_endpoint, cfg)
                 judge(leaves[:1], served, args)  # warm-up: the server's first request loads and compiles
                 results[name] = judge(leaves, served, args)
@@ -108,12 +129,23 @@ def main():
                 proc.kill()
                 proc.wait()
     calls = sum(len(outs) for outs in results["privact"][1])
-    out = {"cases": args.cases, "leaves": len(leaves), "judge_calls": calls, "judge_max_new_tokens": args.judge_max_new_tokens,
-           "concurrency": args.concurrency, "torch": torch.__version__}
+    out = {
+        "cases": args.cases,
+        "leaves": len(leaves),
+        "judge_calls": calls,
+        "judge_max_new_tokens": args.judge_max_new_tokens,
+        "concurrency": args.concurrency,
+        "torch": torch.__version__,
+    }
     for name, (seconds, texts) in results.items():
         same = sum(a == b for x, y in zip(texts, results["privact"][1]) for a, b in zip(x, y))
-        out[name] = {"seconds_per_case": round(seconds / args.cases, 2), "verdict_texts_equal_to_local": f"{same}/{calls}"}
-        print(f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal to the local judge's")
+        out[name] = {
+            "seconds_per_case": round(seconds / args.cases, 2),
+            "verdict_texts_equal_to_local": f"{same}/{calls}",
+        }
+        print(
+            f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal to the local judge's"
+        )
     out["serve_over_privact"] = round(out["serve"]["seconds_per_case"] / out["privact"]["seconds_per_case"], 2)
     print(json.dumps(out))
 

@@ -12,6 +12,7 @@ TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports
 only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
 in memory); pass --trl-precompute to have it precompute reference log-probs instead.
 """
+
 import argparse
 import json
 import os
@@ -35,19 +36,52 @@ def make_pairs(data, n, path):
         draft = f'Thought: I will do what {t["user_name"]} asked.\nAction: {tool}\nAction Input: {{"{arg}": "..."}}'
         chat = privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")])
         body = " ".join(t["sensitive_info_items"])
-        rows.append({"case": case["name"], "role": "refiner", "prompt": chat,
-                     "chosen": f'Thought: Share only what the task needs.\nAction: {tool}\nAction Input: {{"{arg}": "A short update on the task, with no personal details."}}',
-                     "rejected": f'Thought: Share everything.\nAction: {tool}\nAction Input: {json.dumps({arg: body})}'})
+        rows.append(
+            {
+                "case": case["name"],
+                "role": "refiner",
+                "prompt": chat,
+                "chosen": f'Thought: Share only what the task needs.\nAction: {tool}\nAction Input: {{"{arg}": "A short update on the task, with no personal details."}}',
+                "rejected": f"Thought: Share everything.\nAction: {tool}\nAction Input: {json.dumps({arg: body})}",
+            }
+        )
     with open(path, "w") as fh:
         fh.write("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def run_privact(args, pairs, out):
-    privact.main(["train", "--pairs", pairs, "--model", args.model, "--out", out, "--batch-size", str(args.batch_size),
-                  "--grad-accum", str(args.grad_accum), "--max-steps", str(args.steps), "--epochs", "1000",
-                  "--eval-fraction", "0", "--beta", "0.4", "--lr", str(args.lr), "--seed", "0", "--log-every", "1000",
-                  "--mixed-precision", args.mixed_precision,
-                  "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing"])
+    privact.main(
+        [
+            "train",
+            "--pairs",
+            pairs,
+            "--model",
+            args.model,
+            "--out",
+            out,
+            "--batch-size",
+            str(args.batch_size),
+            "--grad-accum",
+            str(args.grad_accum),
+            "--max-steps",
+            str(args.steps),
+            "--epochs",
+            "1000",
+            "--eval-fraction",
+            "0",
+            "--beta",
+            "0.4",
+            "--lr",
+            str(args.lr),
+            "--seed",
+            "0",
+            "--log-every",
+            "1000",
+            "--mixed-precision",
+            args.mixed_precision,
+            "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
+        ]
+    )
     return json.load(open(os.path.join(out, "train_metrics.json")))["train/steps"]
 
 
@@ -55,14 +89,37 @@ def run_trl(args, pairs, out):
     import datasets
     import torch
     from trl import DPOConfig, DPOTrainer
+
     model, tok = privact.load_model(args.model, dtype=torch.float32)
     rows = [json.loads(line) for line in open(pairs)]
-    ds = datasets.Dataset.from_list([{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                                      "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows])
-    cfg = DPOConfig(output_dir=out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-                    max_steps=args.steps, learning_rate=args.lr, beta=0.4, max_length=4096, lr_scheduler_type="cosine",
-                    report_to=[], save_strategy="no", logging_steps=1000, use_cpu=True, bf16=args.mixed_precision == "bf16",
-                    seed=0, dataloader_num_workers=0, precompute_ref_log_probs=args.trl_precompute)
+    ds = datasets.Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in rows
+        ]
+    )
+    cfg = DPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        beta=0.4,
+        max_length=4096,
+        lr_scheduler_type="cosine",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1000,
+        use_cpu=True,
+        bf16=args.mixed_precision == "bf16",
+        seed=0,
+        dataloader_num_workers=0,
+        precompute_ref_log_probs=args.trl_precompute,
+    )
     trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.train()
     return trainer.state.global_step
@@ -74,26 +131,48 @@ def child(args):
         steps = (run_privact if args.child == "privact" else run_trl)(args, args.pairs, os.path.join(tmp, "out"))
     seconds = time.perf_counter() - start
     pairs = steps * args.batch_size * args.grad_accum
-    print("RESULT " + json.dumps({"trainer": args.child, "steps": steps, "pairs": pairs, "seconds": round(seconds, 1),
-                                  "pairs_per_s": round(pairs / seconds, 3),
-                                  "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "trainer": args.child,
+                "steps": steps,
+                "pairs": pairs,
+                "seconds": round(seconds, 1),
+                "pairs_per_s": round(pairs / seconds, 3),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        )
+    )
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
     ap.add_argument("--pairs", default="", help="a pairs JSONL to train on (default: built from --num-pairs cases)")
-    ap.add_argument("--num-pairs", type=int, default=8, help="pairs to build from train cases when --pairs is not given")
+    ap.add_argument(
+        "--num-pairs", type=int, default=8, help="pairs to build from train cases when --pairs is not given"
+    )
     ap.add_argument("--model", default="smollm2", help="model to train (default: the embedded SmolLM2-135M)")
     ap.add_argument("--batch-size", type=int, default=2, help="pairs per micro-batch, both trainers")
     ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step, both trainers")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps, both trainers")
     ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, both trainers")
-    ap.add_argument("--gradient-checkpointing", default=True, action=argparse.BooleanOptionalAction,
-                    help="privact's --gradient-checkpointing (its default: on); TRL runs with its default (off)")
-    ap.add_argument("--trl-precompute", action="store_true", help="TRL precomputes reference log-probs (no ref model held)")
-    ap.add_argument("--mixed-precision", default="no", choices=["no", "bf16"],
-                    help="no: float32 on both sides; bf16: autocast on both (privact --mixed-precision bf16, TRL bf16=True)")
+    ap.add_argument(
+        "--gradient-checkpointing",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+        help="privact's --gradient-checkpointing (its default: on); TRL runs with its default (off)",
+    )
+    ap.add_argument(
+        "--trl-precompute", action="store_true", help="TRL precomputes reference log-probs (no ref model held)"
+    )
+    ap.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=["no", "bf16"],
+        help="no: float32 on both sides; bf16: autocast on both (privact --mixed-precision bf16, TRL bf16=True)",
+    )
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -101,7 +180,7 @@ def main():
     tmp = tempfile.mkdtemp()
     if args.model in privact.EMBEDDED_MODELS:  # TRL re-reads the config from the path: give both a plain HF folder
         model, tok = privact.load_model(args.model)
-            model.save_pretrained(os.path.join(tmp, "model"))
+        model.save_pretrained(os.path.join(tmp, "model"))
         tok.save_pretrained(os.path.join(tmp, "model"))
         args.model = os.path.join(tmp, "model")
     if not args.pairs:
@@ -109,21 +188,26 @@ def main():
         make_pairs(args.data, args.num_pairs, args.pairs)
     try:
         import trl  # noqa: F401
+
         trainers = ["privact", "trl"]
     except ImportError:
         print("TRL is not installed (pip install trl): measuring privact alone")
         trainers = ["privact"]
     results = {}
     for name in trainers:
-        cmd = [sys.executable, __file__, "--child", name] + sys.argv[1:] + ["--pairs", args.pairs, "--model", args.model]
+        cmd = (
+            [sys.executable, __file__, "--child", name] + sys.argv[1:] + ["--pairs", args.pairs, "--model", args.model]
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or not line:
             sys.exit(f"{name} run failed:\n{proc.stderr[-3000:]}")
-        results[name] = json.loads(line[len("RESULT "):])
+        results[name] = json.loads(line[len("RESULT ") :])
         r = results[name]
-        print(f"{name:>8}: {r['pairs']} pairs in {r['seconds']} s = {r['pairs_per_s']} pairs/s, peak RSS {r['peak_rss_mb']} MB",
-              flush=True)
+        print(
+            f"{name:>8}: {r['pairs']} pairs in {r['seconds']} s = {r['pairs_per_s']} pairs/s, peak RSS {r['peak_rss_mb']} MB",
+            flush=True,
+        )
     summary = {"bench": "train", "args": vars(args), **results}
     if "trl" in results:
         summary["speedup_pairs_per_s"] = round(results["privact"]["pairs_per_s"] / results["trl"]["pairs_per_s"], 2)

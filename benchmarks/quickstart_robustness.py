@@ -8,6 +8,7 @@ uses the defaults: seed 0, --dtype auto: float32 on a CPU without bf16 units).
 
     python benchmarks/quickstart_robustness.py --seeds 0,1,2,3,4 --dtypes bfloat16,float32
 """
+
 import argparse
 import glob
 import json
@@ -63,12 +64,17 @@ def main():
     for name in ("privact.py", "judge_prompts.py", "ds_zero2_offload.json"):
         shutil.copy(os.path.join(HERE, name), SNAPSHOT)
     shutil.copytree(os.path.join(HERE, "data"), os.path.join(SNAPSHOT, "data"))
-    print(f"{'seed':>4} {'dtype':>9} {'verifier pairs':>15} {'refiner pairs':>14}  exit codes        minutes", flush=True)
+    print(
+        f"{'seed':>4} {'dtype':>9} {'verifier pairs':>15} {'refiner pairs':>14}  exit codes        minutes", flush=True
+    )
     for seed in map(int, args.seeds.split(",")):
         for dtype in args.dtypes.split(","):
             pairs, codes, minutes = run_once(block, seed, dtype, args.keep)
-            print(f"{seed:>4} {dtype:>9} {pairs.get('verifier', 0):>15} {pairs.get('refiner', 0):>14}  "
-                  f"{','.join(map(str, codes)):<16} {minutes:6.1f}", flush=True)
+            print(
+                f"{seed:>4} {dtype:>9} {pairs.get('verifier', 0):>15} {pairs.get('refiner', 0):>14}  "
+                f"{','.join(map(str, codes)):<16} {minutes:6.1f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
