@@ -657,7 +657,10 @@ def judge_leaves(leaves, judge, cfg, stats):
 
 def judge_decoding(cfg, verdict_words):
     """Judges decode greedily. PrivacyLens's judge stops at its prompt's "\n\n---" separator; the
-    strict one ends on a verdict line (open_answer_slot) with one of each prompt's `verdict_words`."""
+    strict one ends on a verdict line (AnswerSlot) with one of each prompt's `verdict_words`. The chat
+    is rendered with the generation prompt, as every chat server renders it, so a local and a served
+    judge read the same prompt. PrivacyLens's evaluator renders it without one: the same text for the
+    paper's judge, Mistral-7B-Instruct-v0.2 (its template has no generation prompt), not for others."""
     strict = cfg.judge_protocol == "strict"
     return Decoding(
         max_new_tokens=cfg.judge_max_new_tokens,
@@ -1067,8 +1070,11 @@ def eval_privacylens(cfg):
 
     records = run_stage(cfg, list(cases), flags, paths, work)
     if records is not None:
-        samples = [[leaf.judgment for leaf, _ in leaves_with_paths(node_from_dict(records[n]["tree"]))] for n in cases]
-        write_report(cfg.out, privacylens_report(list(cases), samples, label, cfg), format_table)
+        roots = [node_from_dict(records[name]["tree"]) for name in cases]
+        samples = [[leaf.judgment for leaf, _ in leaves_with_paths(root)] for root in roots]
+        report = privacylens_report(list(cases), samples, label, cfg)
+        report["cut_share"] = cut_share(roots)
+        write_report(cfg.out, report, format_table)
 
 
 def eval_confaide(cfg):
@@ -1961,23 +1967,35 @@ def sibling_groups(root, role, tau):
 
 
 def collect_summary(records, pairs, stats):
-    judgments = [leaf.judgment for rec in records for leaf, _ in leaves_with_paths(node_from_dict(rec["tree"]))]
+    """summary.json's collect/* counts: leaves, invalid and unparsed ones, the share of outputs cut at
+    --max-new-tokens, leak and helpfulness rates, pairs per role, and the token counts."""
+    roots = [node_from_dict(rec["tree"]) for rec in records]
+    judgments = [leaf.judgment for root in roots for leaf, _ in leaves_with_paths(root)]
     private = [sample_private(j) for j in judgments if j["valid"]]
+    helpfulness = [None if j["helpfulness"] is None else j["helpfulness"] / 3 for j in judgments]
     counts = ("generated_tokens", "judge_tokens", "prompt_tokens_prefilled", "prompt_tokens_plain", "seconds")
-    return {
+    summary = {
         "collect/cases": len(records),
         "collect/leaves": len(judgments),
         "collect/invalid_leaves": sum(not j["valid"] for j in judgments),
         "collect/unparsed_leaves": sum(is_unparsed(j) for j in judgments),
-        "collect/unparsed_verdicts": sum(x is None for j in judgments for x in j["leaks"] + [j["helpfulness"]]),
+        "collect/unparsed_verdicts": sum(x is None for j in judgments for x in [*j["leaks"], j["helpfulness"]]),
+        "collect/cut_share": cut_share(roots),
         "collect/leak_rate_valid": mean_known([None if p is None else 1 - p for p in private]),
-        "collect/helpfulness_avg": mean_known(
-            [None if j["helpfulness"] is None else j["helpfulness"] / 3 for j in judgments]
-        ),
-        **{f"collect/pairs_{role}": len(p) for role, p in pairs.items()},
-        **{f"collect/{k}": v for k, v in stats.items()},
-        **{f"collect/{k}": round(sum(r.get(k, 0) for r in records)) for k in counts},
+        "collect/helpfulness_avg": mean_known(helpfulness),
     }
+    summary.update({f"collect/pairs_{role}": len(p) for role, p in pairs.items()})
+    summary.update({f"collect/{k}": v for k, v in stats.items()})
+    summary.update({f"collect/{k}": round(sum(r.get(k, 0) for r in records)) for k in counts})
+    return summary
+
+
+def cut_share(roots):
+    """The share of agent outputs that ran out of --max-new-tokens (finish "cut") instead of stopping;
+    None for trees written before outputs recorded how they ended."""
+    finishes = [node.finish for root in roots for node in walk(root) if node.role != "input"]
+    known = [f for f in finishes if f is not None]
+    return sum(f == "cut" for f in known) / len(known) if known else None
 
 
 def no_pairs_reasons(summary, taus):
@@ -2415,7 +2433,7 @@ def open_train_state(cfg, out, accelerator, precision):
     precision or another process count is refused; before its first saved step, a smaller --batch-size
     (after running out of memory) and another --grad-accum are taken (new micro-batches, a new reference)."""
     state_dir = out + ".state"
-    free_to_change = ("save_every", "keep_state", "log_every")
+    free_to_change = ("save_every", "keep_state", "log_every", "mixed_precision")  # the precision that ran is kept
     flags = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in free_to_change}
     flags.update(num_processes=accelerator.num_processes, precision=precision)
     if accelerator.is_main_process:

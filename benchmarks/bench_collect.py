@@ -7,7 +7,8 @@ Both collect the same cases in one process with the same models, seed, dtype and
             judge prompts batched the same way.
 - HF loop:  what one writes first. One model.generate(num_return_sequences=B) per tree node and
             one model.generate per judge prompt (strict protocol: plus a second call of 4 tokens after
-            an appended "\nAnswer:" when a verdict has none; privacylens: stopping at "\n\n---"). It replays privact's tree: each node's children are
+            an appended "\nAnswer:" when a verdict has none; privacylens: stopping at "\n\n---").
+            It replays privact's tree: each node's children are
             sampled from the very prompt privact's children saw, and it judges the same leaves,
             so both sides process the same prompts and only the calling pattern differs.
 
@@ -20,55 +21,54 @@ tokens privact prefilled vs a plain prefill.
     python benchmarks/bench_collect.py                      # 2 train cases, 2,2,2, 64 new tokens
 """
 
-import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402  (puts privact.py on the path)
 import privact  # noqa: E402
 
 
-def hf_generate(model, tok, chat, num_return, max_new_tokens, temperature, prefix="", stop=None):
+def hf_generate(model, tok, chat, decoding):
+    """One plain generate(num_return_sequences=B) of `chat` -> B texts (the prefix, then the completion)."""
     from transformers import GenerationConfig
 
-    sample = num_return > 1
+    sample = decoding.samples > 1
     gen = GenerationConfig(
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=decoding.max_new_tokens,
         do_sample=sample,
-        num_return_sequences=num_return,
-        stop_strings=stop,
+        num_return_sequences=decoding.samples,
+        stop_strings=decoding.stop,
         pad_token_id=tok.pad_token_id,
         eos_token_id=privact.stop_token_ids(model, tok),
-        **({"temperature": temperature, "top_p": 1.0, "top_k": 0} if sample else {}),
+        **({"temperature": decoding.temperature, "top_p": 1.0, "top_k": 0} if sample else {}),
     )
-    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + prefix
-    ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
+    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, date_string=decoding.chat_date)
+    ids = tok(text + decoding.prefix, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=tok)
-    return [prefix + t for t in tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)]
+    return [decoding.prefix + t for t in tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)]
 
 
-def hf_loop(records, cases, roles, branching, model, tok, args):
+def hf_loop(records, cases, chain, model, tok, args):
     """One generate per node of privact's trees (same prompts), one per judge prompt of its leaves."""
-    for rec, case in zip(records, cases):
+    strict = args.judge_protocol == "strict"
+    judging = privact.Decoding(max_new_tokens=args.judge_max_new_tokens, stop=None if strict else "\n\n---")
+    for rec, case in zip(records, cases, strict=True):
         frontier = [privact.node_from_dict(rec["tree"])]
-        for role, width in zip(roles, branching):
+        for role, width in zip(chain.roles, chain.branching, strict=True):
+            sampling = privact.Decoding(
+                width, args.max_new_tokens, args.temperature, prefix=privact.action_prefix(role)
+            )
             for node in frontier:
-                prefix = privact.P.ACTION_PREFIX if role in privact.DRAFT_ROLES else ""
-                hf_generate(model, tok, node.children[0].prompt, width, args.max_new_tokens, args.temperature, prefix)
+                hf_generate(model, tok, node.children[0].prompt, sampling)
             frontier = [c for node in frontier for c in node.children]
-        strict = args.judge_protocol == "strict"
-        for leaf, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
+        for _, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
             for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), args.judge_protocol):
-                text = hf_generate(
-                    model, tok, chat, 1, args.judge_max_new_tokens, 1.0, stop=None if strict else "\n\n---"
-                )[0]
+                text = hf_generate(model, tok, chat, judging)[0]
                 if strict and "answer:" not in text.lower():
-                    hf_generate(model, tok, chat, 1, 4, 1.0, text + "\nAnswer:")
+                    hf_generate(model, tok, chat, privact.Decoding(max_new_tokens=4, prefix=text + "\nAnswer:"))
 
 
 def timed(run, args, n_cases):
@@ -83,48 +83,46 @@ def timed(run, args, n_cases):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
-    ap.add_argument("--model", default="smollm2", help="policy and judge model (default: the embedded SmolLM2-135M)")
+    shared = {"data": "", "model": "smollm2", "batch_size": 16, "max_new_tokens": 64, "judge_max_new_tokens": 64}
+    ap = common.parser(__doc__, **shared, temperature=1.0, dtype="bfloat16", seed=0)
     ap.add_argument("--num-cases", type=int, default=2, help="train cases to collect")
     ap.add_argument("--branching", default="2,2,2", help="samples per node at each level")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="agent output budget, both sides")
-    ap.add_argument("--judge-max-new-tokens", type=int, default=64, help="judge output budget, both sides")
     ap.add_argument("--judge-protocol", default="privacylens", help="privacylens (collect's default) or strict")
-    ap.add_argument("--batch-size", type=int, default=16, help="privact's sequences per generate call")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (paper: 1.0)")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (privact's default on a GPU) or float32 (on a CPU)")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed, the same for both sides")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
 
     roles = privact.parse_topology("generator,verifier,refiner")
-    branching = privact.parse_branching(args.branching, roles)
+    chain = privact.Chain(roles, privact.parse_branching(args.branching, roles))
     cases = privact.load_cases(args.data, "train", args.num_cases)
     model, tok = privact.load_model(args.model, dtype=getattr(torch, args.dtype))
     models = {**dict.fromkeys(roles, (model, tok)), "judge": (model, tok)}
-    cfg = argparse.Namespace(
+    cfg = privact.CollectConfig(
         max_new_tokens=args.max_new_tokens,
         judge_max_new_tokens=args.judge_max_new_tokens,
         batch_size=args.batch_size,
         temperature=args.temperature,
         judge_protocol=args.judge_protocol,
     )
-    hf_generate(model, tok, privact.build_chat("generator", cases[0], []), 1, 4, 1.0)  # untimed warm-up
+    hf_generate(
+        model, tok, privact.build_chat("generator", cases[0], []), privact.Decoding(max_new_tokens=4)
+    )  # warm-up
 
     def privact_side():
-        return privact.rollout_chunk(cases, roles, branching, models, dict.fromkeys(roles, "naive"), cfg)
+        return privact.rollout_chunk(cases, chain, models, cfg)
 
     ours, records = timed(privact_side, args, len(cases))
     print(f" privact: {min(ours):.1f} s per case", flush=True)
-    theirs, _ = timed(lambda: hf_loop(records, cases, roles, branching, model, tok, args), args, len(cases))
+    theirs, _ = timed(lambda: hf_loop(records, cases, chain, model, tok, args), args, len(cases))
     print(f" HF loop: {min(theirs):.1f} s per case", flush=True)
     leaves = [
         leaf.judgment for r in records for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))
     ]
-    total = lambda k: round(sum(r[k] for r in records))  # noqa: E731
+
+    def total(key):
+        return round(sum(r[key] for r in records))
+
     print(
         json.dumps(
             {

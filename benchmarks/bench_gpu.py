@@ -27,7 +27,6 @@ the last line is a JSON object with all of them.
     python benchmarks/bench_gpu.py --tiny                          # a CPU: tiny shapes and budgets (the tests run this)
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -39,52 +38,57 @@ import time
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402  (puts privact.py on the path)
 import privact  # noqa: E402
 
 # config.json of meta-llama/Llama-3.2-1B-Instruct and mistralai/Mistral-7B-Instruct-v0.2, written out
-LLAMA_3_2_1B = dict(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    hidden_act="silu",
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    rope_scaling={
+LLAMA_3_2_1B = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
         "factor": 32.0,
         "high_freq_factor": 4.0,
         "low_freq_factor": 1.0,
         "original_max_position_embeddings": 8192,
         "rope_type": "llama3",
     },
-    tie_word_embeddings=True,
-    attention_bias=False,
-    mlp_bias=False,
-)
-MISTRAL_7B_V0_2 = dict(
-    model_type="mistral",
-    vocab_size=32000,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-5,
-    rope_theta=1000000.0,
-    tie_word_embeddings=False,
-)  # sliding_window null: set in random_model
-TINY = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
-)
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+MISTRAL_7B_V0_2 = {
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}  # sliding_window null: set in random_model
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
 TINY_POLICY, TINY_JUDGE = (
     dict(TINY, model_type="llama", vocab_size=49152),
     dict(TINY, model_type="mistral", vocab_size=32000),
@@ -136,16 +140,12 @@ def compiled_graphs():
 
 def timed_chunk(cases, branching, models, args, budget):
     """One privact.rollout_chunk -> (seconds, records)."""
-    cfg = argparse.Namespace(
-        max_new_tokens=budget,
-        judge_max_new_tokens=args.judge_tokens,
-        batch_size=args.batch_size,
-        temperature=1.0,
-        judge_protocol="privacylens",
+    cfg = privact.CollectConfig(
+        max_new_tokens=budget, judge_max_new_tokens=args.judge_tokens, batch_size=args.batch_size, temperature=1.0
     )
     sync()
     start = time.perf_counter()
-    records = privact.rollout_chunk(cases, list(ROLES), branching, models, dict.fromkeys(ROLES, "naive"), cfg)
+    records = privact.rollout_chunk(cases, privact.Chain(list(ROLES), branching), models, cfg)
     sync()
     return time.perf_counter() - start, records
 
@@ -177,13 +177,15 @@ def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
     each run once untimed first, so a compile (transformers compiles a static-cache forward on CUDA) is not timed."""
     from transformers import GenerationConfig
 
-    gen = lambda n: GenerationConfig(
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,  # noqa: E731
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    def gen(n):
+        return GenerationConfig(
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+
     seqs = [[3 + (r * 7919 + i * 104729) % 30000 for i in range(prompt_tokens)] for r in range(rows)]
     times = []
     for n in (8, 8, 8 + steps, 8 + steps):
@@ -194,7 +196,7 @@ def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
                 ids = torch.tensor(seqs, device=model.device)
                 model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen(n))
             else:
-                privact.generate_shared_prefix(model, seqs, list(range(rows)), tok.pad_token_id, gen(n), 1)
+                privact.generate_shared_prefix(model, seqs, list(range(rows)), gen(n), 1)
         sync()
         times.append(time.perf_counter() - start)
     times = times[1::2]
@@ -211,12 +213,13 @@ def step_bytes(model, rows, length):
 
 
 def plain_loop(records, cases, models, args, budget):
-    """The straightforward loop on privact's trees: one generate(num_return_sequences=B) per node, one per judge prompt."""
+    """The straightforward loop on privact's trees: one generate(num_return_sequences=B) per node, one per judge
+    prompt."""
     from transformers import GenerationConfig
 
-    for rec, case in zip(records, cases):
+    for rec, case in zip(records, cases, strict=True):
         frontier = [privact.node_from_dict(rec["tree"])]
-        for role, width in zip(ROLES, (4, 4, 4)):
+        for role, width in zip(ROLES, (4, 4, 4), strict=True):
             model, tok = models[role]
             for node in frontier:
                 ids = torch.tensor(
@@ -237,7 +240,7 @@ def plain_loop(records, cases, models, args, budget):
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
             frontier = [c for node in frontier for c in node.children]
         judge, jtok = models["judge"]
-        for leaf, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
+        for _, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
             for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), "privacylens"):
                 ids = torch.tensor(
                     [jtok(privact.chat_text(jtok, chat), add_special_tokens=False)["input_ids"]], device=judge.device
@@ -269,7 +272,7 @@ def batch_engine_loop(records, cases, models, args, budget):
 
     roots = [privact.node_from_dict(rec["tree"]) for rec in records]
     frontier = roots
-    for role, width in zip(ROLES, (4, 4, 4)):
+    for role, width in zip(ROLES, (4, 4, 4), strict=True):
         model, tok = models[role]
         inputs = [
             tok(privact.chat_text(tok, n.children[0].prompt), add_special_tokens=False)["input_ids"] for n in frontier
@@ -293,8 +296,8 @@ def batch_engine_loop(records, cases, models, args, budget):
     judge, jtok = models["judge"]
     chats = [
         chat
-        for root, case in zip(roots, cases)
-        for leaf, path in privact.leaves_with_paths(root)
+        for root, case in zip(roots, cases, strict=True)
+        for _, path in privact.leaves_with_paths(root)
         for chat in privact.judge_chats(case, privact.latest(path, privact.DRAFT_ROLES), "privacylens")
     ]
     judge.generate_batch(
@@ -329,16 +332,21 @@ def peer_figures(records, cases, models, args, budget, privact_s):
 def dpo_figures(policy_shape, tok, args, folder):
     """pairs/s and peak memory of `privact.py train` on synthetic pairs of the given lengths."""
     prompt_len, response_len = args.max_length - 2 * args.response_tokens, args.response_tokens
-    words = lambda n, salt: " ".join(f"w{(i * 7919 + salt) % 5000}" for i in range(n))  # noqa: E731 (about 2-3 tokens each)
-    context = lambda i: privact.P.CONTEXT.format(  # noqa: E731 (an over-long pair loses the middle of its trajectory, as in privact)
-        user_name="A",
-        user_email="a@x.com",
-        user_instruction="Send it.",
-        toolkits="Gmail",
-        trajectory=words(prompt_len // 3, i),
-        final_action="GmailSendEmail",
-        tool_args=privact.P.FINAL_TOOLS["GmailSendEmail"],
-    )
+
+    def words(n, salt):  # about 2-3 tokens each
+        return " ".join(f"w{(i * 7919 + salt) % 5000}" for i in range(n))
+
+    def context(i):  # an over-long pair loses the middle of its trajectory, as in privact
+        return privact.P.CONTEXT.format(
+            user_name="A",
+            user_email="a@x.com",
+            user_instruction="Send it.",
+            toolkits="Gmail",
+            trajectory=words(prompt_len // 3, i),
+            final_action="GmailSendEmail",
+            tool_args=privact.P.FINAL_TOOLS["GmailSendEmail"],
+        )
+
     pairs = [
         {
             "case": f"c{i}",
@@ -400,7 +408,7 @@ def sync():
 
 
 def parse_args():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.parser(__doc__, max_new_tokens=1000, batch_size=64)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and budgets, for a CPU (what the tests run)")
     ap.add_argument("--tokenizer", default="", help="a saved SmolLM2 tokenizer folder (default: the embedded GGUF's)")
     ap.add_argument(
@@ -408,9 +416,7 @@ def parse_args():
     )
     ap.add_argument("--chunk-cases", type=int, default=4, help="cases per rollout chunk (collect's --chunk-cases)")
     ap.add_argument("--peer-cases", type=int, default=1, help="cases the peers (plain generate, generate_batch) replay")
-    ap.add_argument("--max-new-tokens", type=int, default=1000, help="agent output budget (paper: 1000)")
     ap.add_argument("--judge-tokens", type=int, default=256, help="judge output budget")
-    ap.add_argument("--batch-size", type=int, default=64, help="sequences per generate call")
     ap.add_argument("--rows", default="4,16,64", help="rows for the decode ms/step figures")
     ap.add_argument(
         "--decode-prompt-tokens", type=int, default=1900, help="prompt tokens per row for the decode figures"
@@ -442,18 +448,20 @@ def parse_args():
 
 def generation_figures(models, tok, args):
     """collect, eval, decode and peers (those in --stages) -> one dict of figures (printed as they come)."""
-    same_tool = lambda cases: [
-        c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]
-    ]  # noqa: E731
+
+    def same_tool(cases):
+        return [c for c in cases if c["trajectory"]["final_action"] == cases[0]["trajectory"]["final_action"]]
+
     privact.judged_action = lambda case, output, protocol: (output or "x")[:2000]  # every leaf judged: the worst case
     figures, records = {}, {}
     for stage, split, branching in (("collect", "train", [4, 4, 4]), ("eval", "test", [10, 1, 1])):
         if stage in args.stages:
             cases = same_tool(privact.load_cases("", split))[: args.cases + 1]
             figures[stage], records[stage] = run_figures(cases, branching, models, args, args.max_new_tokens)
+            f = figures[stage]
             print(
-                f"{stage + ':':8} warm-up {figures[stage]['warmup_seconds']} s, then {figures[stage]['steady_seconds_per_case']} s "
-                f"per case ({figures[stage]['recompiles_after_warmup']} recompiles)",
+                f"{stage + ':':8} warm-up {f['warmup_seconds']} s, then {f['steady_seconds_per_case']} s "
+                f"per case ({f['recompiles_after_warmup']} recompiles)",
                 flush=True,
             )
     if "decode" in args.stages:
@@ -489,7 +497,8 @@ def decode_figures(policy, tok, args):
             "share_of_bandwidth": round(floor / ours, 3),
         }
         print(
-            f"decode:  {rows} rows: privact {ours:.1f} ms/step, plain generate {plain:.1f} (bandwidth floor {floor:.2f})",
+            f"decode:  {rows} rows: privact {ours:.1f} ms/step, plain generate {plain:.1f} "
+            f"(bandwidth floor {floor:.2f})",
             flush=True,
         )
     return decode

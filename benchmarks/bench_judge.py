@@ -18,7 +18,6 @@ case for each, how many verdict texts equal the local judge's, and a JSON line.
 Needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette
 """
 
-import argparse
 import functools
 import json
 import os
@@ -31,7 +30,7 @@ import urllib.request
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402  (puts privact.py on the path)
 import privact  # noqa: E402
 
 
@@ -86,19 +85,17 @@ def serve(folder, continuous_batching, log):
 def judge(leaves, judge_fn, args):
     """Judge copies of `leaves` -> (seconds, verdict texts in order)."""
     copies = [(privact.Node(leaf.role, [], leaf.output), case, path) for leaf, case, path in leaves]
+    cfg = privact.CollectConfig(judge_max_new_tokens=args.judge_max_new_tokens, batch_size=args.batch_size)
     start = time.perf_counter()
-    privact.judge_leaves(copies, judge_fn, args.judge_max_new_tokens, args.batch_size, "privacylens")
+    privact.judge_leaves(copies, judge_fn, cfg, None)
     return time.perf_counter() - start, [leaf.judgment["judge_outputs"] for leaf, _, _ in copies]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__doc__.split("\n\n")[0], model="smollm2", batch_size=16, judge_max_new_tokens=64)
     ap.add_argument("--cases", type=int, default=2, help="bundled train cases")
     ap.add_argument("--leaves", type=int, default=4, help="judged actions per case")
-    ap.add_argument("--judge-max-new-tokens", type=int, default=64, help="tokens per verdict (PrivacyLens: 1000)")
-    ap.add_argument("--batch-size", type=int, default=16, help="privact's local judge: sequences per generate call")
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight against the server")
-    ap.add_argument("--model", default="smollm2", help="judge model (saved as a plain folder for the server)")
     args = ap.parse_args()
     from transformers.utils.import_utils import is_serve_available
 
@@ -110,17 +107,14 @@ def main():
         model, tok = privact.load_model(args.model, torch.float32, "cpu", generating=True)
         model.save_pretrained(os.path.join(folder, "judge"))
         tok.save_pretrained(os.path.join(folder, "judge"))
-        local = functools.partial(privact.generate_batched, model, tok)
+        local = functools.partial(privact.generate_batched, model, tok, batch_size=args.batch_size)
         judge(leaves[:1], local, args)  # warm-up
         results = {"privact": judge(leaves, local, args)}
         for name, cb in (("serve", True), ("serve-seq", False)):
             proc, url = serve(os.path.join(folder, "judge"), cb, log)
             try:
-                cfg = argparse.Namespace(
-                    judge_url=url,
-                    judge_model=os.path.join(folder, "judge"),
-                    model="",
-                    judge_concurrency=args.concurrency,
+                cfg = privact.CollectConfig(
+                    judge_url=url, judge_model=os.path.join(folder, "judge"), judge_concurrency=args.concurrency
                 )
                 served = functools.partial(privact.judge_endpoint, cfg)
                 judge(leaves[:1], served, args)  # warm-up: the server's first request loads and compiles
@@ -138,13 +132,16 @@ def main():
         "torch": torch.__version__,
     }
     for name, (seconds, texts) in results.items():
-        same = sum(a == b for x, y in zip(texts, results["privact"][1]) for a, b in zip(x, y))
+        same = 0  # verdict texts equal to the local judge's
+        for mine, local in zip(texts, results["privact"][1], strict=True):
+            same += sum(a == b for a, b in zip(mine, local, strict=True))
         out[name] = {
             "seconds_per_case": round(seconds / args.cases, 2),
             "verdict_texts_equal_to_local": f"{same}/{calls}",
         }
         print(
-            f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal to the local judge's"
+            f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal to the local "
+            "judge's"
         )
     out["serve_over_privact"] = round(out["serve"]["seconds_per_case"] / out["privact"]["seconds_per_case"], 2)
     print(json.dumps(out))

@@ -13,15 +13,13 @@ tokens per second and their ratio.
               writes first.
 """
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402  (puts privact.py on the path)
 import privact  # noqa: E402
 
 
@@ -49,16 +47,10 @@ def per_prompt(model, tok, chats, num_return, max_new_tokens, temperature):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
-    ap.add_argument("--model", default="smollm2", help="model to benchmark (default: the embedded SmolLM2-135M)")
+    shared = {"data": "", "model": "smollm2", "max_new_tokens": 64, "batch_size": 16, "temperature": 1.0}
+    ap = common.parser(__doc__, **shared, dtype="bfloat16", seed=0)
     ap.add_argument("--num-prompts", type=int, default=8, help="generator prompts (train cases)")
     ap.add_argument("--samples", type=int, default=4, help="samples per prompt, B (collect's default branching)")
-    ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sample at most")
-    ap.add_argument("--batch-size", type=int, default=16, help="sequences per batched generate call")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
-    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed, the same for both paths")
     args = ap.parse_args()
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -77,17 +69,10 @@ def main():
         torch.manual_seed(args.seed)
         start = time.perf_counter()
         if name == "batched":
-            _, n = privact.generate_batched(
-                model,
-                tok,
-                chats,
-                args.samples,
-                args.max_new_tokens,
-                args.batch_size,
-                "batched",
-                args.temperature,
-                privact.P.ACTION_PREFIX,
+            decoding = privact.Decoding(
+                args.samples, args.max_new_tokens, args.temperature, prefix=privact.P.ACTION_PREFIX, desc="batched"
             )
+            _, n = privact.generate_batched(model, tok, chats, decoding, args.batch_size)
         else:
             n = per_prompt(model, tok, chats, args.samples, args.max_new_tokens, args.temperature)
         seconds = time.perf_counter() - start

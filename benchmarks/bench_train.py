@@ -2,7 +2,8 @@
 
 Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
 (real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
-accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast, --mixed-precision bf16). Printed: wall time of the
+accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast,
+--mixed-precision bf16). Printed: wall time of the
 whole training command (model load, reference log-probs, optimisation), pairs/s over that wall
 time, and peak RSS, plus the ratios.
 
@@ -22,9 +23,10 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+import common  # noqa: E402  (puts privact.py on the path)
 import privact  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def make_pairs(data, n, path):
@@ -41,7 +43,8 @@ def make_pairs(data, n, path):
                 "case": case["name"],
                 "role": "refiner",
                 "prompt": chat,
-                "chosen": f'Thought: Share only what the task needs.\nAction: {tool}\nAction Input: {{"{arg}": "A short update on the task, with no personal details."}}',
+                "chosen": f"Thought: Share only what the task needs.\nAction: {tool}\nAction Input: "
+                + json.dumps({arg: "A short update on the task, with no personal details."}),
                 "rejected": f"Thought: Share everything.\nAction: {tool}\nAction Input: {json.dumps({arg: body})}",
             }
         )
@@ -91,7 +94,8 @@ def run_trl(args, pairs, out):
     from trl import DPOConfig, DPOTrainer
 
     model, tok = privact.load_model(args.model, dtype=torch.float32)
-    rows = [json.loads(line) for line in open(pairs)]
+    with open(pairs) as fh:
+        rows = [json.loads(line) for line in fh]
     ds = datasets.Dataset.from_list(
         [
             {
@@ -147,13 +151,11 @@ def child(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default="", help="PrivacyLens main_data.json path or hub id (default: the bundled copy)")
+    ap = common.parser(__doc__, data="", model="smollm2")
     ap.add_argument("--pairs", default="", help="a pairs JSONL to train on (default: built from --num-pairs cases)")
     ap.add_argument(
         "--num-pairs", type=int, default=8, help="pairs to build from train cases when --pairs is not given"
     )
-    ap.add_argument("--model", default="smollm2", help="model to train (default: the embedded SmolLM2-135M)")
     ap.add_argument("--batch-size", type=int, default=2, help="pairs per micro-batch, both trainers")
     ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step, both trainers")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps, both trainers")
@@ -205,7 +207,8 @@ def main():
         results[name] = json.loads(line[len("RESULT ") :])
         r = results[name]
         print(
-            f"{name:>8}: {r['pairs']} pairs in {r['seconds']} s = {r['pairs_per_s']} pairs/s, peak RSS {r['peak_rss_mb']} MB",
+            f"{name:>8}: {r['pairs']} pairs in {r['seconds']} s = {r['pairs_per_s']} pairs/s, "
+            f"peak RSS {r['peak_rss_mb']} MB",
             flush=True,
         )
     summary = {"bench": "train", "args": vars(args), **results}

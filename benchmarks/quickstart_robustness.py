@@ -24,7 +24,8 @@ HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def quick_start():
-    text = open(os.path.join(HERE, "README.md")).read()
+    with open(os.path.join(HERE, "README.md")) as fh:
+        text = fh.read()
     return re.search(r"```bash\n(.*?)```", text.split("\n## Quick start", 1)[1], re.S).group(1)
 
 
@@ -47,7 +48,10 @@ def run_once(block, seed, dtype, keep=""):
         if keep and not os.path.exists(keep):
             shutil.copytree(os.path.join(tmp, "runs"), keep)
         summary = glob.glob(os.path.join(tmp, "runs", "*", "summary.json"))
-        stats = json.load(open(summary[0])) if summary else {}
+        stats = {}
+        if summary:
+            with open(summary[0]) as fh:
+                stats = json.load(fh)
         pairs = {k.split("_", 1)[1]: v for k, v in stats.items() if k.startswith("collect/pairs_")}
         return pairs, codes, (time.time() - start) / 60
 
