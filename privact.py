@@ -37,6 +37,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import functools
 import glob
@@ -189,7 +190,11 @@ class RolloutConfig:
 class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
-    tau: str = opt("verifier=0.5,refiner=0.5", "pair threshold per trained role (paper tau_2, tau_3)")
+    tau: str = opt(
+        "verifier=0.5,refiner=0.5",
+        "role=threshold, each in [-1, 1] (paper tau_2, tau_3): the roles named are the trained ones, the only "
+        "ones that get pairs",
+    )
     min_pairs: int = opt(
         0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)", "[0, inf)"
     )
@@ -249,7 +254,7 @@ class EvalConfig(RolloutConfig):
     refiner: str = opt("", "model for the refiner role, e.g. a trained checkpoint (default: --model)")
     label: str = opt("", "name in tables (default: the baseline or the roles trained; confaide: the model's folder)")
     bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals", "[1, inf)")
-    compare: tuple = opt((), "print these report.json files side by side and exit", nargs="+")
+    compare: tuple = opt((), "print these reports (eval folders or their report.json) side by side and exit", nargs="+")
     plot: str = opt(
         "", "with --compare: draw the paper's Figure 2 from the PrivacyLens reports into this PNG (matplotlib)"
     )
@@ -635,6 +640,7 @@ def judge_leaves(leaves, judge, cfg, stats):
             "action": judged_action(case, output, cfg.judge_protocol),
             "valid": bool(leaf_chats),
             "judge_outputs": [],
+            "judge_finish": [],  # per verdict: "stop", or "cut" at --judge-max-new-tokens
             "leaks": [False] * len(case["trajectory"]["sensitive_info_items"]),
             "helpfulness": 0,
         }
@@ -647,6 +653,7 @@ def judge_leaves(leaves, judge, cfg, stats):
     completions, n_tokens = judge(chats, decoding, stats=stats)
     for (judgment, kind, item), (completion,) in zip(asks, completions, strict=True):
         judgment["judge_outputs"].append(completion.text)
+        judgment["judge_finish"].append(completion.finish)
         verdict = judge_verdict(completion.text, kind, cfg.judge_protocol)
         if kind == "leak":
             judgment["leaks"][item] = verdict
@@ -770,7 +777,13 @@ def build_pairs(root, taus):
 
 
 def pair_side(name, node):
-    return {name: node.output, f"{name}_ids": node.token_ids, f"{name}_finish": node.finish}
+    """One side of a pair: its text, sampled ids, how it ended and its value V."""
+    return {
+        name: node.output,
+        f"{name}_ids": node.token_ids,
+        f"{name}_finish": node.finish,
+        f"{name}_value": node.value,
+    }
 
 
 def pairs_from_records(records, taus, reward_kw):
@@ -778,6 +791,7 @@ def pairs_from_records(records, taus, reward_kw):
     -> ({role: pairs}, counts of dropped pairs, unscored leaves and sibling groups)."""
     pairs = {role: [] for role in taus}
     stats = collections.Counter(identical_pairs_dropped=0, unscored_leaves=0)
+    seen = {role: set() for role in taus}  # the values V of each role's outputs, for the no-pairs advice
     for rec in records:
         root = node_from_dict(rec["tree"])
         scored = score_tree(root, reward_kw)
@@ -789,13 +803,14 @@ def pairs_from_records(records, taus, reward_kw):
         for role, tau in taus.items():
             groups, one_sided = sibling_groups(scored, role, tau)  # groups that could give pairs; those that did not
             stats.update({f"{role}_sibling_groups": groups, f"{role}_one_sided_groups": one_sided})
+            seen[role].update(round(node.value, 3) for node in walk(scored) if node.role == role)
         for pair in build_pairs(scored, taus):
             if pair["chosen"] == pair["rejected"]:  # same text: no preference signal, zero gradient
                 stats["identical_pairs_dropped"] += 1
                 continue
             sampled_with = rec.get("sampled_with", {}).get(pair["role"])
             pairs[pair["role"]].append({"case": rec["case"], **pair, "sampled_with": sampled_with})
-    return pairs, dict(stats)
+    return pairs, {**stats, **{f"{role}_values_seen": sorted(values) for role, values in seen.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1040,6 +1055,7 @@ def cmd_collect(cfg):
 def cmd_train(cfg):
     """DPO-train one role's model on its pairs (paper 3.2.2); reference log-probs are computed once, before training."""
     cfg.role, pairs = load_pairs(cfg.pairs, cfg.role)
+    check_model_name(cfg.model, "--model")
     run = start_training(cfg)
     model, tok = load_model(cfg.model, dtype=torch.float32, device=run.accelerator.device)  # float32 master weights
     data = prepare_dpo_data(run, pairs, tok)
@@ -1053,6 +1069,11 @@ def cmd_eval(cfg):
         return compare_reports(cfg)
     if cfg.plot:
         raise UsageError("--plot draws compared reports: eval --compare A B ... --plot FILE.png")
+    refuse_unused(cfg, ["plot_samples"], "without --plot")
+    if cfg.benchmark == "confaide":
+        refuse_unused(cfg, CONFAIDE_UNUSED, "by --benchmark confaide (a plain chat model, scored by substrings)")
+    else:
+        refuse_unused(cfg, ["tiers", "samples"], "by --benchmark privacylens (they are confaide's)")
     budget = cfg.max_new_tokens or (256 if cfg.benchmark == "confaide" else 1000)
     cfg = check_rollout_flags(dataclasses.replace(cfg, max_new_tokens=budget))
     if cfg.benchmark == "confaide":
@@ -1074,7 +1095,10 @@ def eval_privacylens(cfg):
         samples = [[leaf.judgment for leaf, _ in leaves_with_paths(root)] for root in roots]
         report = privacylens_report(list(cases), samples, label, cfg)
         report["cut_share"] = cut_share(roots)
+        report["judge_cut_rate"] = judge_cut_rate([j for case in samples for j in case])
+        report.update(provenance())
         write_report(cfg.out, report, format_table)
+        warn_judge_cuts(report["judge_cut_rate"], cfg.judge_max_new_tokens)
 
 
 def eval_confaide(cfg):
@@ -1095,7 +1119,7 @@ def eval_confaide(cfg):
     metrics, worst, ci = confaide_metrics(cases, cfg.bootstrap, cfg.seed)
     label = cfg.label or os.path.basename(cfg.model.rstrip("/"))
     report = {"benchmark": "confaide", "label": label, "metrics": metrics, "worst_case": worst, "ci95": ci}
-    report.update(seed=cfg.seed, flags=dataclasses.asdict(cfg), cases=cases)
+    report.update(seed=cfg.seed, flags=dataclasses.asdict(cfg), cases=cases, **provenance())
     write_report(cfg.out, report, format_confaide_table)
 
 
@@ -1130,6 +1154,34 @@ def embedded_model_folder(name):
     return list(spec.submodule_search_locations)[0], gguf
 
 
+def check_model_name(name, flag):
+    """Before anything loads: `name` is an embedded model, a local folder, or shaped like a hub id
+    (org/name). A path that does not exist, or a near miss of an embedded name, gets one line at once
+    rather than the hub's retries."""
+    if name in EMBEDDED_MODELS or os.path.isdir(name):
+        return
+    near = difflib.get_close_matches(name, EMBEDDED_MODELS, n=1)
+    if near:
+        raise UsageError(f"{flag} {name}: no such model; did you mean {near[0]}?")
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") != 1 or os.path.isdir(os.path.dirname(name))
+    if "/" in name and looks_like_path:
+        raise UsageError(f"{flag} {name}: no such folder")
+    if name.count("/") != 1:
+        raise UsageError(f"{flag} {name}: not a folder, an embedded model ({', '.join(EMBEDDED_MODELS)}) or a hub id")
+
+
+def check_judge_url(url):
+    """Before anything loads: one GET {url}/models, 10 s, no retries: an OpenAI-compatible server answers it."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=10) as response:
+            json.load(response)
+    except urllib.error.HTTPError as e:
+        raise UsageError(f"--judge-url {url}: not an OpenAI-compatible server (GET /models: HTTP {e.code})") from None
+    except (OSError, ValueError) as e:
+        cause = getattr(e, "reason", e)
+        raise UsageError(f"--judge-url {url}: not reachable ({type(e).__name__}: {cause})") from None
+
+
 def load_model(name_or_path, dtype=torch.float32, device=None, generating=False):
     """(model, tokenizer) from a short name (smollm2: offline GGUF), a hub id or a local folder. For
     `generating`, the model's generation_config.json keeps only its token ids: none of its sampling
@@ -1145,9 +1197,7 @@ def load_model(name_or_path, dtype=torch.float32, device=None, generating=False)
         raise UsageError(f"model {name_or_path!r}: could not load ({str(e).splitlines()[0][:200]})") from None
     if not tok.chat_template:
         raise UsageError(f"model {name_or_path!r}: the tokenizer has no chat template")
-    if (
-        kw
-    ):  # GGUF: dequantized float weights; the quantization entry left would make save_pretrained refuse (SPEC.md 11)
+    if kw:  # GGUF: dequantized float weights; a quantization entry left makes save_pretrained refuse (SPEC.md 11)
         model.config.__dict__.pop("quantization_config", None)
         model.hf_quantizer, model.is_quantized = None, False
     tok.pad_token = tok.pad_token or tok.eos_token
@@ -1156,6 +1206,32 @@ def load_model(name_or_path, dtype=torch.float32, device=None, generating=False)
             **{k: v for k, v in model.generation_config.to_dict().items() if k.endswith("token_id")}
         )
     return model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval(), tok
+
+
+@functools.cache
+def provenance():
+    """What made an output besides its flags: privact's git commit (with "-dirty" for uncommitted
+    changes; None outside a checkout) and the versions of Python and the packages that shape results."""
+    import importlib.metadata
+    import subprocess
+
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "-C", HERE, "describe", "--always", "--dirty", "--abbrev=12"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            or None
+        )
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {"python": sys.version.split()[0]}
+    for package in ("torch", "transformers", "accelerate", "deepspeed", "tokenizers"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[package] = importlib.metadata.version(package)
+    return {"privact_commit": commit, "versions": versions}
 
 
 def tokenizer_fingerprint(tok):
@@ -1505,8 +1581,8 @@ def judge_endpoint(cfg, chats, decoding, stats=None):
     pool = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency)
     bar = tqdm(pool.map(post, chats), total=len(chats), desc=decoding.desc, unit="seq", leave=False)
     try:
-        for text, n in bar:
-            completions.append([Completion(text, None, "stop")])
+        for text, n, finish in bar:
+            completions.append([Completion(text, None, finish)])
             n_tokens += n
             bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
     finally:  # requests still retrying end within their backoff
@@ -1525,8 +1601,20 @@ JUDGE_RETRIES = 5
 NEUTRAL_SAMPLING = {"temperature": 0, "top_p": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 
+def error_detail(error):
+    """': <the server's message>' from a JSON error body (OpenAI's {"error": {"message"}} or FastAPI's
+    {"detail"}), cut to 200 characters; '' for any other body (an HTML page says nothing useful)."""
+    try:
+        body = json.loads(error.read())
+    except (ValueError, OSError):
+        return ""
+    message = body.get("error", body.get("detail", "")) if isinstance(body, dict) else ""
+    message = message.get("message", message) if isinstance(message, dict) else message
+    return f": {str(message)[:200]}" if message else ""
+
+
 def post_chat(url, model, decoding, chat):
-    """One greedy chat completion -> (its text cut at decoding.stop, its completion tokens).
+    """One greedy chat completion -> (its text cut at decoding.stop, its completion tokens, "stop" or "cut").
     Connection errors, timeouts (an hour: a busy server queues requests), 429 and 5xx are retried
     JUDGE_RETRIES times, after 1, 2, 4, 8 and 16 s; then, or at once on any other failure, one
     UsageError line naming the URL and the status or cause. $OPENAI_API_KEY, when set, goes into the
@@ -1541,17 +1629,20 @@ def post_chat(url, model, decoding, chat):
         try:
             with urllib.request.urlopen(request, timeout=3600) as response:
                 reply = json.load(response)
-            text = reply["choices"][0]["message"]["content"].split(decoding.stop)[0]
-            return text, (reply.get("usage") or {}).get("completion_tokens", 0)
+            choice = reply["choices"][0]
+            finish = "cut" if choice.get("finish_reason") == "length" else "stop"
+            text = choice["message"]["content"].split(decoding.stop)[0]
+            return text, (reply.get("usage") or {}).get("completion_tokens", 0), finish
         except urllib.error.HTTPError as e:
-            cause = f"HTTP {e.code} {e.reason}: {e.read().decode(errors='replace')[:200]}"
-            retryable = e.code == 429 or e.code >= 500
+            cause, retryable = f"HTTP {e.code} {e.reason}{error_detail(e)}", e.code == 429 or e.code >= 500
         except OSError as e:  # refused, reset, timed out
             cause, retryable = f"{type(e).__name__}: {getattr(e, 'reason', e)}", True
         except (ValueError, LookupError, TypeError, AttributeError) as e:  # an answer that is no chat completion
             cause, retryable = f"{type(e).__name__}: {e}", False
         if not retryable or attempt == JUDGE_RETRIES:
             cause = " ".join((cause.replace(key, "***") if key else cause).split())
+            if not retryable:  # said once: a rerun would meet the same answer
+                raise UsageError(f"--judge-url {url}: {cause}")
             raise UsageError(
                 f"--judge-url {url}: {cause} (after {attempt + 1} tries); finished chunks are kept, rerun to resume"
             )
@@ -1593,13 +1684,11 @@ def fetch_data(source, flag="--data", **hub_kw):
 
 
 def node_from_dict(d):
+    """A Node from its rollouts.jsonl dict; keys an older run did not write take their defaults."""
+    known = {f.name for f in dataclasses.fields(Node)}
     return Node(
-        d["role"],
-        d["prompt"],
-        d["output"],
-        [node_from_dict(c) for c in d["children"]],
-        d.get("value"),
-        d.get("judgment"),
+        **{k: v for k, v in d.items() if k in known and k != "children"},
+        children=list(map(node_from_dict, d["children"])),
     )
 
 
@@ -1668,6 +1757,31 @@ def lock_folder(folder):
     os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}".ljust(200).encode(), 0)
 
 
+def flags_from_run(cfg, given):
+    """collect on a folder that holds a run: the flags not `given` on the command line come from it (a
+    finished run's summary.json, else config.json's generation flags), so recomputing its pairs with
+    another --tau or --b1 needs those flags alone, and a resume none. A flag given with another value
+    than the run's is still refused (check_run_config)."""
+    summary, config = os.path.join(cfg.out, "summary.json"), os.path.join(cfg.out, "config.json")
+    if os.path.exists(summary):
+        old = read_json_file(summary)["flags"]
+    elif os.path.exists(config):
+        old = read_json_file(config)
+        old = {**old, **run_shape(old)}
+    else:
+        return cfg
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    return dataclasses.replace(cfg, **{k: v for k, v in old.items() if k in fields and k not in given})
+
+
+def run_shape(config):
+    """The collect flags a config.json records in another form: topology, branching, prompt and models."""
+    shape = {"topology": ",".join(config["topology"]), "branching": ",".join(map(str, config["branching"]))}
+    shape.update(prompt=next(iter(config["variants"].values())), model=config["models"]["policy"])
+    shape["judge_model"] = "" if config["models"]["judge"] == shape["model"] else config["models"]["judge"]
+    return shape
+
+
 def check_run_config(path, flags, advice="use a new run folder", free=()):
     """A run folder keeps the flags that shape its results (collect and eval: config.json, written once
     the models have loaded; train: <out>.state/flags.json); resuming with different ones, except
@@ -1730,6 +1844,11 @@ def run_stage(cfg, keys, flags, model_paths, work):
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     if getattr(cfg, "judge_url", ""):
         model_paths = {role: path for role, path in model_paths.items() if role != "judge"}
+        check_judge_url(cfg.judge_url)
+    for role, path in model_paths.items():  # named by the flag that gave it
+        flag = "--model" if path == cfg.model else "--judge-model" if role == "judge" else f"--{role}"
+        check_model_name(path, flag)
+    new_folder = not os.path.isdir(cfg.out)
     os.makedirs(cfg.out, exist_ok=True)
     if state.is_main_process:
         lock_folder(cfg.out)
@@ -1738,11 +1857,16 @@ def run_stage(cfg, keys, flags, model_paths, work):
     chunks = [keys[i : i + cfg.chunk_cases] for i in range(0, len(keys), cfg.chunk_cases)]
     plan = StagePlan(keys, done, chunks, [g for g, chunk in enumerate(chunks) if any(k not in done for k in chunk)])
     loaded = {}
-    if plan.todo[state.process_index :: state.num_processes]:  # this process has work
-        for path in dict.fromkeys(model_paths.values()):
-            loaded[path] = load_model(path, getattr(torch, cfg.dtype), state.device, generating=True)
+    try:
+        if plan.todo[state.process_index :: state.num_processes]:  # this process has work
+            for path in dict.fromkeys(model_paths.values()):
+                loaded[path] = load_model(path, getattr(torch, cfg.dtype), state.device, generating=True)
+    except (UsageError, KeyboardInterrupt):
+        if new_folder and state.is_main_process:  # failed before the first output: leave no folder behind
+            shutil.rmtree(cfg.out, ignore_errors=True)
+        raise
     if state.is_main_process:
-        write_json(os.path.join(cfg.out, "config.json"), flags)
+        write_json(os.path.join(cfg.out, "config.json"), {**flags, "provenance": provenance()})
     models = {role: loaded.get(path) for role, path in model_paths.items()}  # None where this process has no work
 
     def work_here(chunk_keys):
@@ -1771,14 +1895,21 @@ def run_until_pairs(cfg, names, flags, paths, work, pairs_of):
 
 
 def write_collect_outputs(cfg, records, pairs, stats, taus):
-    """pairs_<role>.jsonl, summary.json (with every flag) and the printed summary; why a role got no pairs."""
+    """pairs_<role>.jsonl for the roles in --tau (and no other: a pairs file of an earlier --tau goes),
+    values.jsonl, summary.json (with every flag) and the printed summary; why a role got no pairs."""
     for role, rows in pairs.items():
         write_atomic(os.path.join(cfg.out, f"pairs_{role}.jsonl"), jsonl(rows))
-    summary = {**collect_summary(records, pairs, stats), "flags": dataclasses.asdict(cfg)}
+    for path in glob.glob(os.path.join(cfg.out, "pairs_*.jsonl")):
+        if os.path.basename(path)[len("pairs_") : -len(".jsonl")] not in pairs:
+            os.remove(path)
+    reward_kw = {"b1": cfg.b1, "b2": cfg.b2, "alpha": cfg.alpha, "beta": cfg.beta}
+    write_atomic(os.path.join(cfg.out, "values.jsonl"), jsonl(tree_values(records, reward_kw)))
+    summary = {**collect_summary(records, pairs, stats), "flags": dataclasses.asdict(cfg), **provenance()}
     write_json(os.path.join(cfg.out, "summary.json"), summary)
     print(json.dumps({k: v for k, v in summary.items() if k != "flags"}, indent=2))
     for line in no_pairs_reasons(summary, taus):
         print(line, file=sys.stderr)
+    warn_judge_cuts(summary["collect/judge_cut_rate"], cfg.judge_max_new_tokens)
 
 
 def write_report(out, report, table):
@@ -1899,6 +2030,7 @@ def finish_training(run, model, tok, progress, data):
         "flags": dataclasses.asdict(run.cfg),
         "deepspeed": accelerator.state.deepspeed_plugin is not None,
         "num_processes": accelerator.num_processes,
+        **provenance(),
     }
     save_checkpoint(accelerator, model, tok, run.out, metrics)
     if accelerator.is_main_process and not run.cfg.keep_state:
@@ -1922,14 +2054,34 @@ def generation_flags(cfg, chain, **shape):
     return {**flags, **shape}
 
 
+def refuse_unused(cfg, names, mode):
+    """A flag the chosen mode ignores, given a value other than its default, is refused in one line
+    (an accepted, silently ignored flag would leave the user believing it acted)."""
+    defaults = type(cfg)()
+    for name in names:
+        if getattr(cfg, name) != getattr(defaults, name):
+            raise UsageError(f"--{name.replace('_', '-')} is not used {mode}; leave it out")
+
+
+CONFAIDE_UNUSED = ("k", "baseline", "topology", "prompt", "generator", "verifier", "refiner", "split")
+CONFAIDE_UNUSED += ("judge_model", "judge_url", "judge_protocol", "judge_max_new_tokens", "judge_concurrency")
+
+
 def check_rollout_flags(cfg):
     """What collect and eval check beyond check_flags -> cfg with --judge-max-new-tokens 0 and --dtype auto resolved."""
     # --dtype auto departs from SPEC 5's plain bfloat16 default only where bf16 is emulated: on an AVX2-only CPU,
     # SmolLM2's bf16 prefill and decoding ran 5x slower than float32 (SPEC's 3.4x bf16 gain was on AMX).
     cpu = getattr(torch.cpu, "get_capabilities", dict)()  # older torch: {}, so float32 on a CPU
     bf16_units = torch.cuda.is_available() or any(cpu.get(k) for k in ("amx_bf16", "avx512_bf16", "bf16"))
+    # and the embedded GGUF model computes in float32 whatever it is loaded as: transformers keeps its weights
+    # packed, and another dtype only casts each matmul's input and output (and says so on every load)
+    names = [getattr(cfg, k, "") for k in ("model", "generator", "verifier", "refiner")]
+    names.append("" if cfg.judge_url else cfg.judge_model)
+    embedded_only = all(name in EMBEDDED_MODELS for name in names if name)
     if cfg.dtype == "auto":
-        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bf16_units else "float32")
+        cfg = dataclasses.replace(cfg, dtype="bfloat16" if bf16_units and not embedded_only else "float32")
+    if not cfg.judge_url:
+        refuse_unused(cfg, ["judge_concurrency"], "without --judge-url")
     served = cfg.judge_url.startswith(("http://", "https://"))
     if cfg.judge_url and (cfg.judge_protocol != "privacylens" or not served):
         raise UsageError(
@@ -1981,6 +2133,7 @@ def collect_summary(records, pairs, stats):
         "collect/unparsed_leaves": sum(is_unparsed(j) for j in judgments),
         "collect/unparsed_verdicts": sum(x is None for j in judgments for x in [*j["leaks"], j["helpfulness"]]),
         "collect/cut_share": cut_share(roots),
+        "collect/judge_cut_rate": judge_cut_rate(judgments),
         "collect/leak_rate_valid": mean_known([None if p is None else 1 - p for p in private]),
         "collect/helpfulness_avg": mean_known(helpfulness),
     }
@@ -1988,6 +2141,40 @@ def collect_summary(records, pairs, stats):
     summary.update({f"collect/{k}": v for k, v in stats.items()})
     summary.update({f"collect/{k}": round(sum(r.get(k, 0) for r in records)) for k in counts})
     return summary
+
+
+def tree_values(records, reward_kw):
+    """values.jsonl: per case, its tree's V at every node (paper 3.2.2, the pairs' values) with the reward
+    flags they came from; a node left out of scoring (an unparsed verdict) has V null."""
+    rows = []
+    for rec in records:
+        scored = score_tree(node_from_dict(rec["tree"]), reward_kw)
+        if scored is not None:
+            propagate_values(scored)
+        rows.append({"case": rec["case"], "reward": reward_kw, "values": value_outline(scored)})
+    return rows
+
+
+def value_outline(node):
+    """{"role", "V", "children": [...]} of a scored tree, the outputs left out."""
+    if node is None:
+        return None
+    return {"role": node.role, "V": node.value, "children": [value_outline(c) for c in node.children]}
+
+
+def judge_cut_rate(judgments):
+    """The share of verdicts that ran out of --judge-max-new-tokens: PrivacyLens's parser reads a cut
+    one as no leak and helpfulness Poor, so a high share biases every metric; None before judgments
+    recorded how they ended, or without a judged leaf."""
+    finishes = [f for j in judgments for f in j.get("judge_finish") or []]
+    return sum(f == "cut" for f in finishes) / len(finishes) if finishes else None
+
+
+def warn_judge_cuts(rate, budget):
+    if rate is not None and rate > 0.1:
+        print(
+            f"warning: {rate:.0%} of the verdicts ran out of --judge-max-new-tokens {budget}: raise it", file=sys.stderr
+        )
 
 
 def cut_share(roots):
@@ -1999,20 +2186,29 @@ def cut_share(roots):
 
 
 def no_pairs_reasons(summary, taus):
-    """One line per trained role that got no pairs: why, and which flags would help."""
+    """One line per trained role that got no pairs: what the run shows (invalid or unparsed leaves,
+    outputs cut at --max-new-tokens, the values seen against tau) and which flags would help."""
     lines = []
     for role, tau in taus.items():
         if summary[f"collect/pairs_{role}"]:
             continue
         one_sided = summary.get(f"collect/{role}_one_sided_groups", 0)
         groups = summary.get(f"collect/{role}_sibling_groups", 0)
-        lines.append(
-            f"warning: no {role} pairs. Of {summary['collect/leaves']} leaves, {summary['collect/invalid_leaves']} "
-            f"are invalid actions (reward b2) and {summary['collect/unparsed_leaves']} have an unparsed verdict (left "
-            f"out); {one_sided} of {groups} {role} sibling groups with two or more scored members have all values on "
-            f"one side of tau {tau}. More pairs: --num-cases or --min-pairs (more cases), --branching (wider at the "
-            f"{role} level), --tau {role}=... (between the values seen), --temperature (lower: more valid actions)."
+        values = summary.get(f"collect/{role}_values_seen", [])
+        causes = [
+            f"{summary['collect/invalid_leaves']} of {summary['collect/leaves']} leaves are invalid (reward b2)",
+            f"{summary['collect/unparsed_leaves']} have an unparsed verdict (left out)",
+            f"{one_sided} of {groups} {role} sibling groups have all values on one side of tau {tau}",
+            f"{role} values seen: {', '.join(f'{v:+.3f}' for v in values[:8]) or 'none'}",
+        ]
+        cut = summary.get("collect/cut_share")
+        if cut:
+            causes.append(f"{cut:.0%} of the outputs ran out of --max-new-tokens (raise it: a cut action is invalid)")
+        advice = (
+            f"More pairs: --tau {role}=... between the values seen, --num-cases or --min-pairs (more cases), "
+            f"--branching (wider at the {role} level), --temperature (lower: more valid actions)."
         )
+        lines.append(f"warning: no {role} pairs: " + "; ".join(causes) + ". " + advice)
     return lines
 
 
@@ -2492,13 +2688,17 @@ def eval_setup(cfg):
     """-> (the Chain, model path per role and the judge's, label) of the configuration asked for: a
     baseline's or --topology's roles, branching K,1,1 (SPEC 9: the first agent samples, the rest
     decode greedily), --generator, --verifier and --refiner where given, else --model."""
+    if cfg.baseline:
+        refuse_unused(cfg, ["topology", "prompt"], f"with --baseline {cfg.baseline} (it sets both)")
     topology, variant = BASELINES[cfg.baseline] if cfg.baseline else (cfg.topology, cfg.prompt)
     roles = parse_topology(topology)
+    missing = [r for r in ("generator", "verifier", "refiner") if r not in roles]
+    refuse_unused(cfg, missing, f"by the chain {','.join(roles)} (it has no such role)")
     chain = Chain(roles, [cfg.k] + [1] * (len(roles) - 1), variant)
     paths = {role: getattr(cfg, role, "") or cfg.model for role in roles}
     paths["judge"] = cfg.judge_model or cfg.model
     trained = [r[0].upper() for r in ("verifier", "refiner") if r in roles and paths[r] != cfg.model]
-    label = cfg.label or cfg.baseline or ("+".join(trained) if trained else "base") + f" [{','.join(roles)}]"
+    label = cfg.label or (cfg.baseline or "+".join(trained) or "base") + f" [{','.join(roles)}]"
     return chain, paths, label
 
 
@@ -2725,6 +2925,7 @@ class ShowConfig:
     )
     case: str = opt("", "case name, e.g. main12 (default: the folder's first case)")
     limit: int = opt(0, "children per node (collect) or samples (eval) shown; 0 = all", "[0, inf)")
+    full: bool = opt(False, "every output in full (default: its first line)", action=argparse.BooleanOptionalAction)
 
 
 def cmd_show(cfg):
@@ -2738,6 +2939,7 @@ def cmd_show(cfg):
     rec = case_record(cfg.run, cfg.case)
     case = {c["name"]: c for c in load_cases(config["data"], "all")}[rec["case"]]
     view = {"case": case, "width": shutil.get_terminal_size().columns, "limit": cfg.limit, "color": sys.stdout.isatty()}
+    view["full"] = cfg.full
     root = node_from_dict(rec["tree"])
     if "policy" in config["models"]:
         lines = show_collect_tree(cfg.run, rec, root, config, view)
@@ -2809,6 +3011,8 @@ def show_tree(node, view, depth=0):
         lines.append(
             indent + paint(view, "32" if mark == "+" else "31", mark) + text[: view["width"] - len(indent) - 1]
         )
+        if view["full"]:
+            lines += [f"{indent}    | {line}" for line in child.output.strip().splitlines()]
         if child.children:
             lines += show_tree(child, view, depth + 1)
         else:
@@ -2867,22 +3071,26 @@ def paint(view, color, text):
 # ----------------------------------------------------------------------------------------------
 
 
-def add_config_args(parser, cls):
+def add_config_args(parser, cls, defaults=None):
     for f in dataclasses.fields(cls):
         kw = {k: v for k, v in f.metadata.items() if k not in ("help", "within", "positional")}
         if "nargs" not in kw and "action" not in kw:
             kw["type"] = type(f.default)
-        name = [f.name] if f.metadata.get("positional") else ["--" + f.name.replace("_", "-")]
-        parser.add_argument(
-            *name,
-            **({} if f.metadata.get("positional") else {"dest": f.name}),
-            default=f.default,
-            metavar=choices_of(f) or (f.name.upper() if f.metadata.get("positional") else None),
-            help=f.metadata["help"].replace("%", "%%")
-            + " (default: %(default)s"
-            + (f"; in {f.metadata['within']})" if f.metadata["within"] else ")"),
-            **kw,
-        )
+        if f.metadata.get("positional"):
+            names, kw["metavar"] = [f.name], f.name.upper()
+        else:
+            names, kw["dest"], kw["metavar"] = ["--" + f.name.replace("_", "-")], f.name, choices_of(f) or None
+        parser.add_argument(*names, default=f.default if defaults is None else defaults, help=flag_help(f), **kw)
+
+
+def flag_help(f):
+    """The field's help, then its default (unless empty, or the help already names it) and its interval."""
+    text, notes = f.metadata["help"].replace("%", "%%"), []
+    if f.default not in ("", ()) and "default" not in text:
+        notes.append("default: %(default)s")
+    if f.metadata["within"]:
+        notes.append(f"in {f.metadata['within']}")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def choices_of(f):
@@ -2915,22 +3123,33 @@ COMMANDS = {
 }
 
 
-def build_parser():
+def build_parser(defaults=None):
+    """The CLI; with defaults=argparse.SUPPRESS, a parse holds only the flags given."""
     parser = argparse.ArgumentParser(prog="privact.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, command) in COMMANDS.items():
-        add_config_args(sub.add_parser(name, help=command.__doc__, description=command.__doc__), cls)
+        add_config_args(sub.add_parser(name, help=command.__doc__, description=command.__doc__), cls, defaults)
     return parser
 
 
 def main(argv=None):
     ns = build_parser().parse_args(argv)
+    given = set(vars(build_parser(defaults=argparse.SUPPRESS).parse_args(argv)))  # the flags on the command line
     cls, command = COMMANDS[ns.command]
     try:
-        command(check_flags(cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})))
+        cfg = cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        if ns.command == "collect":
+            cfg = flags_from_run(cfg, given)
+        command(check_flags(cfg))
     except UsageError as e:
         print(f"privact {ns.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: every finished chunk (train: the last saved state) is on disk
+        print(
+            f"privact {ns.command}: interrupted; what finished is kept: rerun the same command to resume",
+            file=sys.stderr,
+        )
+        return 130
     except torch.cuda.OutOfMemoryError:  # every finished chunk (train: the saved state) is on disk
         more = " (and a larger --grad-accum, for as many pairs per step)" if ns.command == "train" else ""
         print(

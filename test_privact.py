@@ -197,16 +197,19 @@ SAMPLED = {
 
 
 def pair(role, prompt, chosen, rejected):
-    """A pair as build_pairs makes it: both texts with their sampled ids and how they ended."""
+    """A pair as build_pairs makes it: both texts with their sampled ids, how they ended and their V."""
+    values = {"v1": 0.25, "v2": 0.3875, "a": 1.0, "b": -0.5, "c": 0.3, "d": 0.475}
     return {
         "role": role,
         "prompt": prompt,
         "chosen": chosen,
         "chosen_ids": SAMPLED[chosen][0],
         "chosen_finish": SAMPLED[chosen][1],
+        "chosen_value": pytest.approx(values[chosen]),
         "rejected": rejected,
         "rejected_ids": SAMPLED[rejected][0],
         "rejected_finish": SAMPLED[rejected][1],
+        "rejected_value": pytest.approx(values[rejected]),
     }
 
 
@@ -547,9 +550,13 @@ def test_dtype_auto_is_bfloat16_where_the_hardware_has_it(monkeypatch):
     ]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda cpu=cpu: cpu, raising=False)
-        assert privact.check_rollout_flags(privact.CollectConfig()).dtype == expected
+        hub = privact.CollectConfig(model="meta-llama/Llama-3.2-1B-Instruct")
+        assert privact.check_rollout_flags(hub).dtype == expected
         assert privact.check_rollout_flags(privact.EvalConfig(dtype="float16")).dtype == "float16"
-        assert privact.generation_flags(privact.check_rollout_flags(privact.CollectConfig()), None)["dtype"] == expected
+        assert privact.generation_flags(privact.check_rollout_flags(hub), None)["dtype"] == expected
+        # the embedded GGUF model computes in float32 whatever it is loaded as: auto takes float32 for it
+        assert privact.check_rollout_flags(privact.CollectConfig()).dtype == "float32"
+        assert privact.check_rollout_flags(privact.EvalConfig(refiner="runs/x/refiner")).dtype == expected
 
 
 def test_bad_topology_and_missing_embedded_package(capsys, monkeypatch):
@@ -662,6 +669,8 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
     assert summary["flags"]["branching"] == "2,2,2" and summary["flags"]["seed"] == 0
     for role in ("verifier", "refiner"):
         assert (run / f"pairs_{role}.jsonl").exists()
+    for node in privact.walk(privact.node_from_dict(records[0]["tree"])):  # each output's ids and end, as sampled
+        assert node.role == "input" or (node.token_ids and node.finish in ("stop", "cut"))
 
     # Rewrite judgments, change tau and b2: pairs come back from stored judgments, no model load.
     records = fake_judgments(run)
@@ -693,6 +702,169 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
         assert all(set(p) >= {"case", "role", "prompt", "chosen", "rejected"} and p["role"] == role for p in got)
 
 
+def test_a_recompute_needs_only_the_flags_it_changes_and_leaves_no_stale_pairs(
+    tmp_path, data_file, tiny_model, monkeypatch
+):
+    """collect --out R --tau refiner=0.5 on a finished run: every other flag comes from R/config.json (no model
+    loads, nothing regenerates), the verifier's pairs file of the earlier --tau goes, values.jsonl holds the V
+    the pairs came from with the reward flags, and every output records the versions and git commit."""
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model)) == 0
+    fake_judgments(run)
+    real_load = privact.load_model
+    monkeypatch.setattr(privact, "load_model", lambda *a, **k: pytest.fail("a recompute must not load a model"))
+    assert run_cli("collect", "--out", run, "--tau", "verifier=0.2,refiner=0.4") == 0
+    assert (run / "pairs_verifier.jsonl").exists()
+    assert run_cli("collect", "--out", run, "--tau", "refiner=0.4", "--b2", "0.2") == 0
+    assert not (run / "pairs_verifier.jsonl").exists(), "a pairs file of an earlier --tau must go"
+    summary = json.loads((run / "summary.json").read_text())
+    assert "collect/pairs_verifier" not in summary and summary["flags"]["tau"] == "refiner=0.4"
+    assert summary["flags"]["max_new_tokens"] == 6 and summary["flags"]["model"] == str(tiny_model)  # from config.json
+    values = read_jsonl(run / "values.jsonl")
+    assert [v["case"] for v in values] == [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
+    assert values[0]["reward"] == {"b1": 0.0, "b2": 0.2, "alpha": 0.5, "beta": 2.0}
+    outline = values[0]["values"]
+    for pair in read_jsonl(run / "pairs_refiner.jsonl"):
+        assert pair["chosen_value"] >= 0.4 > pair["rejected_value"]
+    leaf_values = [leaf["V"] for g in outline["children"] for v in g["children"] for leaf in v["children"]]
+    assert outline["V"] == pytest.approx(sum(leaf_values) / len(leaf_values))  # equal branching: the mean of leaves
+    assert run_cli("collect", "--out", run, "--max-new-tokens", "9") == 2  # a flag given and changed is refused
+    monkeypatch.setattr(privact, "load_model", real_load)
+    pairs = run / "pairs_refiner.jsonl"
+    assert all(p["chosen_ids"] and p["sampled_with"] for p in read_jsonl(pairs))
+    assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--max-steps", "1", "--eval-fraction", "0") == 0
+    metrics = json.loads((run / "refiner" / "train_metrics.json").read_text())
+    assert metrics["train/pairs_through_text"] == 0  # a collect's own pairs train on their sampled ids
+    assert metrics["versions"]["torch"] == torch.__version__
+    for path in (run / "config.json", run / "summary.json"):
+        recorded = json.loads(path.read_text())
+        recorded = recorded.get("provenance", recorded)
+        assert recorded["versions"]["torch"] == torch.__version__ and "privact_commit" in recorded
+
+
+def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(tmp_path, data_file, tiny_model, capsys):
+    """Before any model loads: a misspelt embedded name, a folder that is not there, a name that is no hub id,
+    a URL nothing listens on, a server that is not OpenAI-compatible: one line each, exit 2, no run folder."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501 to all
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    cases = [
+        (["--model", "smolm2"], "--model smolm2: no such model; did you mean smollm2?"),
+        (["--model", str(tmp_path / "no" / "such")], "no such folder"),
+        (["--model", "does-not-exist"], "not a folder, an embedded model (smollm2) or a hub id"),
+        (["--judge-url", f"http://127.0.0.1:{free_port()}/v1"], "not reachable (URLError"),
+        (["--judge-url", url], "not an OpenAI-compatible server (GET /models: HTTP 501)"),
+    ]
+    try:
+        for extra, message in cases:
+            start, out = time.time(), tmp_path / "run"
+            args = collect_args(data_file, out, tiny_model)
+            if extra[0] == "--model":
+                args[args.index("--model") + 1] = extra[1]
+                extra = []
+            assert run_cli(*args, *extra) == 2
+            (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+            assert message in err and "<html" not in err.lower() and time.time() - start < 15, err
+            assert not out.exists(), "a command that fails before its first output leaves no folder"
+    finally:
+        server.shutdown()
+    refiner = tmp_path / "runs" / "c3" / "refinr"
+    out = tmp_path / "ev"
+    args = ["eval", "--data", data_file, "--out", out, "--model", tiny_model, "--refiner", refiner, "--k", "1"]
+    assert run_cli(*args) == 2
+    assert f"--refiner {refiner}: no such folder" in capsys.readouterr().err and not out.exists()
+
+
+def test_flags_the_mode_ignores_are_refused(tmp_path, data_file, tiny_model, capsys):
+    base = ["eval", "--data", data_file, "--out", tmp_path / "e", "--model", tiny_model]
+    for extra, message in [
+        (["--baseline", "ppe", "--verifier", tiny_model], "--verifier is not used by the chain generator"),
+        (["--baseline", "aifc", "--topology", "generator"], "--topology is not used with --baseline aifc"),
+        (["--benchmark", "confaide", "--k", "3"], "--k is not used by --benchmark confaide"),
+        (["--samples", "3"], "--samples is not used by --benchmark privacylens"),
+        (["--judge-concurrency", "8"], "--judge-concurrency is not used without --judge-url"),
+    ]:
+        assert run_cli(*base, *extra) == 2
+        (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert message in err, err
+    assert not (tmp_path / "e").exists()
+
+
+def test_verdicts_cut_at_the_judge_budget_are_counted_and_warned(tmp_path, data_file, tiny_model, capsys, monkeypatch):
+    """A judge that runs out of --judge-max-new-tokens: each verdict records how it ended, summary.json and
+    report.json give judge_cut_rate, and collect warns; every leaf is judged here (a random model's action)."""
+    monkeypatch.setattr(privact, "judged_action", lambda case, output, protocol: "Action: X")
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--judge-max-new-tokens", "2")) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    finishes = [
+        f
+        for r in read_jsonl(run / "rollouts.jsonl")
+        for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(r["tree"]))
+        for f in leaf.judgment["judge_finish"]
+    ]
+    assert finishes and summary["collect/judge_cut_rate"] == sum(f == "cut" for f in finishes) / len(finishes) > 0.1
+    assert "of the verdicts ran out of --judge-max-new-tokens 2" in capsys.readouterr().err
+    out = tmp_path / "ev"
+    assert (
+        run_cli(
+            "eval",
+            "--data",
+            data_file,
+            "--out",
+            out,
+            "--model",
+            tiny_model,
+            "--k",
+            "2",
+            "--num-cases",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--judge-max-new-tokens",
+            "2",
+            "--dtype",
+            "float32",
+        )
+        == 0
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["judge_cut_rate"] > 0.1 and report["versions"]["torch"] == torch.__version__
+    assert 0 <= report["cut_share"] <= 1
+
+
+def test_ctrl_c_says_one_line_and_the_rerun_resumes(tmp_path, data_file, tiny_model, capsys, monkeypatch):
+    real, calls = privact.rollout_chunk, []
+
+    def interrupted_on_the_second_chunk(cases, *a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(cases, *a)
+
+    monkeypatch.setattr(privact, "rollout_chunk", interrupted_on_the_second_chunk)
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--chunk-cases", "1")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted; what finished is kept: rerun the same command to resume" in err and "Traceback" not in err
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--chunk-cases", "1")) == 0
+    assert len(read_jsonl(run / "rollouts.jsonl")) == 2
+
+
+def test_help_shows_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        privact.main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: )" not in text and "(default: --model) (default" not in text
+    assert "the roles named are the trained ones" in " ".join(
+        privact.CollectConfig.__dataclass_fields__["tau"].metadata["help"].split()
+    )
+    assert "eval folders or their report.json" in text
+
+
 def test_no_pairs_diagnosis_counts_groups_and_names_flags():
     def node(role, value, kids=()):
         return Node(role, [], role, list(kids), value)
@@ -718,9 +890,14 @@ def test_no_pairs_diagnosis_counts_groups_and_names_flags():
         "collect/verifier_one_sided_groups": 4,
     }
     (line,) = privact.no_pairs_reasons(summary, {"verifier": 0.5, "refiner": 0.5})
+    summary["collect/verifier_values_seen"] = [0.2, 0.6]
+    summary["collect/cut_share"] = 0.75
+    (line,) = privact.no_pairs_reasons(summary, {"verifier": 0.5, "refiner": 0.5})
     for part in (
         "no verifier pairs",
-        "Of 16 leaves, 12 are invalid",
+        "12 of 16 leaves are invalid",
+        "verifier values seen: +0.200, +0.600",
+        "75% of the outputs ran out of --max-new-tokens",
         "1 have an unparsed verdict",
         "4 of 4 verifier sibling groups",
         "--min-pairs",
@@ -761,7 +938,7 @@ def test_collect_min_pairs_goes_on_until_each_role_has_them(tmp_path, data_file,
 def test_collect_refuses_changed_generation_flags(tmp_path, data_file, tiny_model, capsys):
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, str(tmp_path / "no_model"), "--num-cases", "1")) == 2
-    assert "could not load" in capsys.readouterr().err  # a failed start leaves no config to trip over
+    assert "no such folder" in capsys.readouterr().err and not run.exists()  # a failed start leaves nothing behind
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1")) == 0
     before = (run / "rollouts.jsonl").read_bytes()
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--seed", "5")) == 2
@@ -793,8 +970,7 @@ def test_collect_resumes_after_a_torn_write(tmp_path, data_file, tiny_model, mon
 
     monkeypatch.setattr(privact, "append_jsonl", dying_append)
     args = collect_args(data_file, run, tiny_model, "--num-cases", "3", "--chunk-cases", "1")
-    with pytest.raises(KeyboardInterrupt):
-        run_cli(*args)
+    assert run_cli(*args) == 130  # the one-line Ctrl-C message
     monkeypatch.setattr(privact, "append_jsonl", real_append)
     train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:3]]
     generated = rolled_out(monkeypatch)
@@ -1162,6 +1338,7 @@ def test_judge_answer_slot_reads_a_verdict_word_from_a_random_model(tiny_model):
         "leaks": [False, False],
         "helpfulness": 0,
         "judge_outputs": [],
+        "judge_finish": [],
     }
     assert privact.leaf_reward(bad.judgment, {}) == pytest.approx(0.3)  # invalid: no leak, H = 0 -> b2
 
@@ -1273,8 +1450,11 @@ def test_judge_protocol_recorded_and_resume_refuses_a_change(tmp_path, data_file
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-protocol", "strict")) == 0
     config = json.loads((run / "config.json").read_text())
     assert config["judge_protocol"] == "strict" and config["judge_max_new_tokens"] == 6
-    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1")) == 2
+    assert (
+        run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-protocol", "privacylens")) == 2
+    )
     assert "judge_protocol='strict', not 'privacylens'" in capsys.readouterr().err
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "1")) == 0  # unsaid: the run's own
     assert run_cli(*eval_args(data_file, out, tiny_model, "--baseline", "vanilla", "--judge-max-new-tokens", "0")) == 0
     report = json.loads((out / "report.json").read_text())
     assert (
@@ -1438,6 +1618,12 @@ def recording_server(replies):
     seen = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # /v1/models: the check before any work
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"object": "list", "data": []}')
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append((dict(self.headers), body))
@@ -1542,7 +1728,8 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         )
         out, err = capfd.readouterr()  # everything both commands printed, from this process and any other
         (line,) = [x for x in err.splitlines() if "error:" in x]
-        assert "HTTP 404" in line and "no-such-model" in line and "***" in line and "(after 1 tries)" in line
+        assert "HTTP 404" in line and "no-such-model" in line and "***" in line
+        assert "tries" not in line and "rerun" not in line  # said once: a rerun would meet the same answer
         for where in (
             *printed,
             out,
@@ -2399,7 +2586,11 @@ def test_train_bad_inputs(tmp_path, tiny_model, capsys):
     assert run_cli("train", "--pairs", broken, "--model", tiny_model) == 2
     assert f"{broken}: line 2: missing field 'role'" in capsys.readouterr().err
     assert run_cli("train", "--pairs", good, "--model", str(tmp_path / "nope"), "--out", tmp_path / "o") == 2
-    assert "could not load" in capsys.readouterr().err
+    assert (
+        "--model" in (err := capsys.readouterr().err)
+        and "no such folder" in err
+        and not (tmp_path / "o.state").exists()
+    )
 
 
 GA = "2"
