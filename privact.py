@@ -107,6 +107,9 @@ BASELINES = {
 EPOCHS_BY_ROLE = {"verifier": 12, "refiner": 4, "generator": 4}  # paper Appendix C.1
 
 
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow", "comet_ml", "aim", "clearml", "dvclive")  # --report-to
+
+
 # Llama-3.2's template prints "Today Date:" from the clock unless given a date_string, so the same chat would
 # tokenize differently on another day; every chat here is rendered with one recorded date, by default the
 # one Llama-3.1's template fixes. Templates without a date (Qwen, Mistral, SmolLM2) ignore it.
@@ -139,48 +142,25 @@ def opt(default, help, within=None, **argparse_kw):
 class RolloutConfig:
     """Flags shared by collect and eval: what is sampled, by which model, how fast."""
 
-    data: str = opt(
-        "",
-        "PrivacyLens main_data.json or hub id (SALT-NLP/PrivacyLens); confaide: a folder of tier files; empty = data/",
-    )
+    data: str = opt("", "PrivacyLens main_data.json or hub id; confaide: a folder of tier files (empty: data/)")
     split: Literal["train", "test", "all"] = opt("train", "train: 394 cases, test: 99; the released seed-42 split")
-    num_cases: int = opt(
-        0, "use only the first N cases of the split (0 = all; confaide: the first N items of each tier)", "[0, inf)"
-    )
+    num_cases: int = opt(0, "the first N cases of the split, 0 = all (confaide: N items of each tier)", "[0, inf)")
     model: str = opt("smollm2", "base model: a short name (smollm2), a hub id or a local folder")
-    judge_model: str = opt(
-        "", "judge model, or its served name with --judge-url (default: --model); the paper's: Mistral-7B-Instruct-v0.2"
-    )
-    judge_url: str = opt(
-        "",
-        "a served judge: an OpenAI-compatible base URL (vLLM, SGLang, TGI, transformers serve); key: $OPENAI_API_KEY",
-    )
-    judge_concurrency: int = opt(
-        256, "--judge-url: requests in flight, for the server to batch (vLLM's max_num_seqs)", "[1, inf)"
-    )
+    judge_model: str = opt("", "judge model, or its served name with --judge-url (empty: --model; paper: Mistral-7B)")
+    judge_url: str = opt("", "a served judge: an OpenAI-compatible base URL (vLLM, TGI, ...); key: $OPENAI_API_KEY")
+    judge_concurrency: int = opt(256, "--judge-url: requests in flight, for the server to batch", "[1, inf)")
     topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
-    prompt: Literal["naive", "privacy_enhanced"] = opt(
-        "naive", "system-line variant (privacy_enhanced: the PPE baseline)"
-    )
+    prompt: Literal["naive", "privacy_enhanced"] = opt("naive", "system-line variant (privacy_enhanced: PPE)")
     max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", "[1, inf)")
-    judge_protocol: Literal["privacylens", "strict"] = opt(
-        "privacylens", "PrivacyLens's prompts and parsers (the paper's), or ours"
-    )
-    judge_max_new_tokens: int = opt(
-        0, "generation budget per judge call (0 = 1000 for privacylens, as PrivacyLens; 256 for strict)", "[0, inf)"
-    )
+    judge_protocol: Literal["privacylens", "strict"] = opt("privacylens", "PrivacyLens's judge (the paper's), or ours")
+    judge_max_new_tokens: int = opt(0, "tokens per verdict (0: 1000 for privacylens, 256 for strict)", "[0, inf)")
     temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)", "(0, inf)")
-    batch_size: int = opt(
-        16,
-        "sequences per generate call (prompts x samples per prompt); lower it after an out-of-memory error",
-        "[1, inf)",
-    )
+    batch_size: int = opt(16, "sequences per generate call; lower it after an out-of-memory error", "[1, inf)")
     chunk_cases: int = opt(
         8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", "[1, inf)"
     )
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt(
-        "auto",
-        "weights dtype for generation (auto: the paper's bfloat16 on a GPU or a CPU with bf16 units, else float32)",
+        "auto", "generation weights (auto: the paper's bfloat16 on a GPU or a CPU with bf16 units, else float32)"
     )
     chat_date: str = opt(CHAT_DATE, "the date every chat template that shows one renders (Llama 3.x); never the clock")
     seed: int = opt(0, "seed for sampling; each chunk of cases reseeds from it")
@@ -191,13 +171,9 @@ class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
     tau: str = opt(
-        "verifier=0.5,refiner=0.5",
-        "role=threshold, each in [-1, 1] (paper tau_2, tau_3): the roles named are the trained ones, the only "
-        "ones that get pairs",
+        "verifier=0.5,refiner=0.5", "role=threshold in [-1, 1] (tau_2, tau_3); only the roles named get pairs"
     )
-    min_pairs: int = opt(
-        0, "go on past --num-cases, --chunk-cases at a time, until every trained role has N pairs (0 = off)", "[0, inf)"
-    )
+    min_pairs: int = opt(0, "go on past --num-cases until every trained role has N pairs (0 = off)", "[0, inf)")
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)", "[-1, 1]")
     b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)", "[0, 1]")
     alpha: float = opt(0.5, "LC-ARS leakage exponent alpha (Eq. 1)", "[0, inf)")
@@ -222,18 +198,13 @@ class TrainConfig:
     eval_fraction: float = opt(0.1, "share of pairs held out for the eval loss", "[0, 1)")
     eval_every: int = opt(50, "optimizer steps between eval-loss measurements", "[1, inf)")
     max_length: int = opt(4096, "max tokens of prompt + response; a longer pair loses the middle of its trajectory")
-    mixed_precision: Literal["no", "bf16"] = opt(
-        "no", "bf16: autocast, float32 master weights; accelerate launch flags win"
-    )
-    gradient_checkpointing: bool = opt(
-        True, "recompute activations in backward (long prompts)", action=argparse.BooleanOptionalAction
-    )
+    mixed_precision: Literal["no", "bf16"] = opt("no", "bf16: autocast over float32 weights; accelerate's flags win")
+    gradient_checkpointing: bool = opt(True, "recompute activations in backward", action=argparse.BooleanOptionalAction)
     log_every: int = opt(1, "optimizer steps between log lines", "[1, inf)")
-    save_every: int = opt(
-        50, "optimizer steps between resumable states in <out>.state (0 = none); rerun to resume", "[0, inf)"
-    )
+    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none)", "[0, inf)")
+    report_to: str = opt("", f"trackers for the training curves, comma separated: {', '.join(TRACKERS)}")
     keep_state: bool = opt(
-        False, "keep <out>.state after the final checkpoint is saved", action=argparse.BooleanOptionalAction
+        False, "keep <out>.state after the checkpoint is saved", action=argparse.BooleanOptionalAction
     )
     chat_date: str = opt(CHAT_DATE, "the date the chat template renders: the one the pairs were sampled under")
     seed: int = opt(0, "seed for the held-out split, data order and init")
@@ -243,11 +214,9 @@ class TrainConfig:
 class EvalConfig(RolloutConfig):
     split: Literal["train", "test", "all"] = opt("test", "test: the 99 held-out cases")
     out: str = opt("runs/eval", "output folder: rollouts.jsonl (per-sample records) and report.json")
-    k: int = opt(
-        10, "privacylens: samples per case, branching K,1,1 (first agent samples, later ones greedy)", "[1, inf)"
-    )
+    k: int = opt(10, "samples per case: branching K,1,1 (the first agent samples, the rest greedy)", "[1, inf)")
     baseline: Literal["", "vanilla", "ppe", "aifc"] = opt(
-        "", "a baseline's chain and prompt instead of --topology and --prompt"
+        "", "a baseline's chain and prompt (not --topology, --prompt)"
     )
     generator: str = opt("", "model for the generator role (default: --model)")
     verifier: str = opt("", "model for the verifier role, e.g. a trained checkpoint (default: --model)")
@@ -255,20 +224,14 @@ class EvalConfig(RolloutConfig):
     label: str = opt("", "name in tables (default: the baseline or the roles trained; confaide: the model's folder)")
     bootstrap: int = opt(1000, "bootstrap resamples over cases (confaide: items) for the 95% intervals", "[1, inf)")
     compare: tuple = opt((), "print these reports (eval folders or their report.json) side by side and exit", nargs="+")
-    plot: str = opt(
-        "", "with --compare: draw the paper's Figure 2 from the PrivacyLens reports into this PNG (matplotlib)"
-    )
-    plot_samples: Literal["all", "valid"] = opt(
-        "all", "--plot: metrics over all samples (PrivacyLens's convention) or valid ones only (the paper's figures)"
-    )
+    plot: str = opt("", "with --compare: the paper's Figure 2 of the PrivacyLens reports, as this PNG (matplotlib)")
+    plot_samples: Literal["all", "valid"] = opt("all", "--plot: all samples (PrivacyLens) or valid ones (the paper)")
     benchmark: Literal["privacylens", "confaide"] = opt(
-        "privacylens", "the agent chain, or ConfAIde tiers 3-4 asked of --model (Table 2)"
+        "privacylens", "the agent chain, or ConfAIde tiers 3-4 (Table 2)"
     )
     tiers: str = opt("3,4", "confaide: tiers to run (tier 3: FR, IA, PS; tier 4: MS, AI)")
     samples: int = opt(10, "confaide: sampled answers per prompt", "[1, inf)")
-    max_new_tokens: int = opt(
-        0, "generation budget per output (0 = 1000 for privacylens, 256 for confaide)", "[0, inf)"
-    )
+    max_new_tokens: int = opt(0, "tokens per output (0: 1000 for privacylens, 256 for confaide)", "[0, inf)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,30 +516,14 @@ def judge_chats(case, output, protocol):
     t, action = case["trajectory"], judged_action(case, output, protocol)
     if action is None:
         return []
+    slots = {"user_name": t["user_name"], "user_instruction": t["user_instruction"], "action": action}
+    slots["trajectory"] = t["executable_trajectory"]  # each template takes the slots it names
     if protocol == "privacylens":
-        prompts = [
-            fill(privacylens_template("leakage"), user_name=t["user_name"], secret=item, action=action)
-            for item in t["sensitive_info_items"]
-        ]
-        prompts.append(
-            fill(
-                privacylens_template("helpfulness"),
-                user_name=t["user_name"],
-                action=action,
-                user_instruction=t["user_instruction"],
-                trajectory=t["executable_trajectory"],
-            )
-        )
+        leak, helpful = privacylens_template("leakage"), privacylens_template("helpfulness")
+        prompts = [fill(leak, secret=item, **slots) for item in t["sensitive_info_items"]] + [fill(helpful, **slots)]
         return [[{"role": "user", "content": p}] for p in prompts]
-    prompts = [P.LEAK_JUDGE.format(action=action, item=item) for item in t["sensitive_info_items"]]
-    prompts.append(
-        P.HELPFUL_JUDGE.format(
-            user_name=t["user_name"],
-            user_instruction=t["user_instruction"],
-            trajectory=t["executable_trajectory"],
-            action=action,
-        )
-    )
+    prompts = [P.LEAK_JUDGE.format(item=item, **slots) for item in t["sensitive_info_items"]]
+    prompts.append(P.HELPFUL_JUDGE.format(**slots))
     return [[{"role": "system", "content": P.JUDGE_SYSTEM}, {"role": "user", "content": p}] for p in prompts]
 
 
@@ -845,7 +792,11 @@ def dpo_step(model, batch, beta):
     """One forward of chosen+rejected -> (mean loss, metrics of this micro-batch)."""
     chosen, rejected = batch_logps(model, batch)
     losses, c_rew, r_rew = dpo_loss(chosen, rejected, batch["ref_chosen"], batch["ref_rejected"], beta)
+    chosen_tokens = (batch["chosen_ids"] != -100).sum(-1)  # [B]
+    rejected_tokens = (batch["rejected_ids"] != -100).sum(-1)
     return losses.mean(), {
+        "logp_chosen_per_token": (chosen.detach() / chosen_tokens).mean().item(),  # the policy's, what DPO moves
+        "logp_rejected_per_token": (rejected.detach() / rejected_tokens).mean().item(),
         "loss": losses.mean().item(),
         "reward_acc": (c_rew > r_rew).float().mean().item(),
         "reward_margin": (c_rew - r_rew).mean().item(),
@@ -1091,14 +1042,7 @@ def eval_privacylens(cfg):
 
     records = run_stage(cfg, list(cases), flags, paths, work)
     if records is not None:
-        roots = [node_from_dict(records[name]["tree"]) for name in cases]
-        samples = [[leaf.judgment for leaf, _ in leaves_with_paths(root)] for root in roots]
-        report = privacylens_report(list(cases), samples, label, cfg)
-        report["cut_share"] = cut_share(roots)
-        report["judge_cut_rate"] = judge_cut_rate([j for case in samples for j in case])
-        report.update(provenance())
-        write_report(cfg.out, report, format_table)
-        warn_judge_cuts(report["judge_cut_rate"], cfg.judge_max_new_tokens)
+        write_eval_report(cfg, label, [records[name] for name in cases])
 
 
 def eval_confaide(cfg):
@@ -1215,20 +1159,13 @@ def provenance():
     import importlib.metadata
     import subprocess
 
+    describe = ["git", "-C", HERE, "describe", "--always", "--dirty", "--abbrev=12"]
     try:
-        commit = (
-            subprocess.run(
-                ["git", "-C", HERE, "describe", "--always", "--dirty", "--abbrev=12"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            or None
-        )
+        commit = subprocess.run(describe, capture_output=True, text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     versions = {"python": sys.version.split()[0]}
-    for package in ("torch", "transformers", "accelerate", "deepspeed", "tokenizers"):
+    for package in ("torch", "transformers", "accelerate", "deepspeed"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[package] = importlib.metadata.version(package)
     return {"privact_commit": commit, "versions": versions}
@@ -1602,15 +1539,9 @@ NEUTRAL_SAMPLING = {"temperature": 0, "top_p": 1.0, "frequency_penalty": 0.0, "p
 
 
 def error_detail(error):
-    """': <the server's message>' from a JSON error body (OpenAI's {"error": {"message"}} or FastAPI's
-    {"detail"}), cut to 200 characters; '' for any other body (an HTML page says nothing useful)."""
-    try:
-        body = json.loads(error.read())
-    except (ValueError, OSError):
-        return ""
-    message = body.get("error", body.get("detail", "")) if isinstance(body, dict) else ""
-    message = message.get("message", message) if isinstance(message, dict) else message
-    return f": {str(message)[:200]}" if message else ""
+    """': <the server's words>' from a JSON error body, cut to 200 characters; '' from any other (an HTML page)."""
+    body = error.read().decode(errors="replace")
+    return f": {body[:200]}" if body.lstrip().startswith("{") else ""
 
 
 def post_chat(url, model, decoding, chat):
@@ -1758,28 +1689,15 @@ def lock_folder(folder):
 
 
 def flags_from_run(cfg, given):
-    """collect on a folder that holds a run: the flags not `given` on the command line come from it (a
-    finished run's summary.json, else config.json's generation flags), so recomputing its pairs with
-    another --tau or --b1 needs those flags alone, and a resume none. A flag given with another value
-    than the run's is still refused (check_run_config)."""
-    summary, config = os.path.join(cfg.out, "summary.json"), os.path.join(cfg.out, "config.json")
-    if os.path.exists(summary):
-        old = read_json_file(summary)["flags"]
-    elif os.path.exists(config):
-        old = read_json_file(config)
-        old = {**old, **run_shape(old)}
-    else:
+    """collect on a folder that holds a finished run: the flags not `given` on the command line come from
+    its summary.json, so recomputing its pairs with another --tau or --b1 needs those flags alone. A flag
+    given with another value than the run's generation flags is still refused (check_run_config)."""
+    summary = os.path.join(cfg.out, "summary.json")
+    if not os.path.exists(summary):
         return cfg
+    old = read_json_file(summary)["flags"]
     fields = {f.name for f in dataclasses.fields(cfg)}
     return dataclasses.replace(cfg, **{k: v for k, v in old.items() if k in fields and k not in given})
-
-
-def run_shape(config):
-    """The collect flags a config.json records in another form: topology, branching, prompt and models."""
-    shape = {"topology": ",".join(config["topology"]), "branching": ",".join(map(str, config["branching"]))}
-    shape.update(prompt=next(iter(config["variants"].values())), model=config["models"]["policy"])
-    shape["judge_model"] = "" if config["models"]["judge"] == shape["model"] else config["models"]["judge"]
-    return shape
 
 
 def check_run_config(path, flags, advice="use a new run folder", free=()):
@@ -1912,6 +1830,16 @@ def write_collect_outputs(cfg, records, pairs, stats, taus):
     warn_judge_cuts(summary["collect/judge_cut_rate"], cfg.judge_max_new_tokens)
 
 
+def write_eval_report(cfg, label, records):
+    """report.json of a PrivacyLens eval (privacylens_report), the share of outputs cut, of verdicts cut, provenance."""
+    roots = [node_from_dict(rec["tree"]) for rec in records]
+    samples = [[leaf.judgment for leaf, _ in leaves_with_paths(root)] for root in roots]
+    report = privacylens_report([rec["case"] for rec in records], samples, label, cfg)
+    report.update(cut_share=cut_share(roots), judge_cut_rate=judge_cut_rate([j for case in samples for j in case]))
+    write_report(cfg.out, {**report, **provenance()}, format_table)
+    warn_judge_cuts(report["judge_cut_rate"], cfg.judge_max_new_tokens)
+
+
 def write_report(out, report, table):
     write_json(os.path.join(out, "report.json"), report)
     print(table([report]))
@@ -1958,7 +1886,10 @@ def start_training(cfg):
         raise UsageError(f"--out {out}: already holds a checkpoint; choose another folder")
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.grad_accum, mixed_precision=None if launched else cfg.mixed_precision
+        gradient_accumulation_steps=cfg.grad_accum,
+        mixed_precision=None if launched else cfg.mixed_precision,
+        log_with=parse_trackers(cfg.report_to) or None,
+        project_dir=os.path.join(out + ".state", "logs"),  # moved into <out>/logs with the checkpoint
     )
     precision = training_precision(accelerator)
     if launched and launched != cfg.mixed_precision:
@@ -1973,7 +1904,19 @@ def start_training(cfg):
     if accelerator.device.type == "cpu":
         return_freed_memory()
     state_dir, progress = open_train_state(cfg, out, accelerator, precision)
+    accelerator.init_trackers(f"privact-{cfg.role}", config=dataclasses.asdict(cfg))  # none without --report-to
     return TrainRun(cfg, out, accelerator, state_dir, precision, progress)
+
+
+def parse_trackers(text):
+    """--report-to's names, each a tracker accelerate drives whose package is installed."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(f"--report-to {name}: use any of {', '.join(TRACKERS)}")
+        if importlib.util.find_spec(name) is None:
+            raise UsageError(f"--report-to {name}: pip install {name.replace('_', '-')}")
+    return names
 
 
 def training_precision(accelerator):
@@ -2026,13 +1969,18 @@ def finish_training(run, model, tok, progress, data):
         "train/pairs_per_s": p["seen"] / max(p["seconds"], 1e-9),
         "train/peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
         "final": p["history"][-1] if p["history"] else {},
+        "eval_at_start": p.get("eval_at_start", {}),
         "history": p["history"],
         "flags": dataclasses.asdict(run.cfg),
         "deepspeed": accelerator.state.deepspeed_plugin is not None,
         "num_processes": accelerator.num_processes,
         **provenance(),
     }
+    accelerator.end_training()
     save_checkpoint(accelerator, model, tok, run.out, metrics)
+    logs = os.path.join(run.state_dir, "logs")
+    if accelerator.is_main_process and os.path.isdir(logs):
+        shutil.move(logs, os.path.join(run.out, "logs"))
     if accelerator.is_main_process and not run.cfg.keep_state:
         shutil.rmtree(run.state_dir, ignore_errors=True)
     speed = f"{metrics['train/pairs_per_s']:.2f} pairs/s, {metrics['train/peak_rss_mb']:.0f} MB RSS"
@@ -2562,6 +2510,9 @@ def dpo_train_loop(run, model, optimizer, data, plan, progress):
     eval_loader = micro_batch_loader(run, data["eval"], plan["pad_id"]) if data["eval"] else None
     bar = tqdm(total=plan["steps"], initial=p["step"], desc="DPO", unit="step", disable=not accelerator.is_main_process)
     window = []  # the metrics of the micro-batches of the optimizer step under way
+    if eval_loader is not None and p["step"] == 0:  # where the run starts: the held-out pairs before any step
+        p["eval_at_start"] = evaluate_dpo(model, eval_loader, cfg.beta, accelerator)
+        accelerator.log(p["eval_at_start"], step=0)
     for epoch in range(p["epoch"], plan["epochs"]):
         batches = epoch_order(data["train"], epoch, cfg.seed)
         for batch in micro_batch_loader(run, batches, plan["pad_id"], skip=p["batches"]):
@@ -2615,6 +2566,7 @@ def mean_metrics(window):
 
 def log_step(run, bar, row, progress):
     progress["history"].append(row)
+    run.accelerator.log({k: v for k, v in row.items() if k.startswith(("train/", "eval/"))}, step=row["step"])
     bar.update(1)
     bar.set_postfix({k: f"{row['train/' + k]:.3g}" for k in ("loss", "reward_acc", "pairs_per_s")})
     if progress["step"] % run.cfg.log_every == 0:
@@ -2920,9 +2872,7 @@ def format_confaide_table(reports):
 
 @dataclass
 class ShowConfig:
-    run: str = opt(
-        "", "a collect folder (the tree, values and pairs) or a PrivacyLens eval folder (the samples)", positional=True
-    )
+    run: str = opt("", "a collect folder (its trees, values, pairs) or a PrivacyLens eval folder", positional=True)
     case: str = opt("", "case name, e.g. main12 (default: the folder's first case)")
     limit: int = opt(0, "children per node (collect) or samples (eval) shown; 0 = all", "[0, inf)")
     full: bool = opt(False, "every output in full (default: its first line)", action=argparse.BooleanOptionalAction)
@@ -3067,6 +3017,79 @@ def paint(view, color, text):
 
 
 # ----------------------------------------------------------------------------------------------
+# privact.py judge: a new judge over a finished run's stored outputs (no policy model is loaded)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class JudgeConfig:
+    run: str = opt("", "a finished collect or PrivacyLens eval folder, whose outputs are judged again", positional=True)
+    out: str = opt("runs/rejudged", "the new folder: the same outputs, new judgments, pairs or report from them")
+    judge_model: str = opt("", "the new judge, or its served name with --judge-url (default: the run's judge)")
+    judge_url: str = opt("", "a served judge: an OpenAI-compatible base URL; key: $OPENAI_API_KEY")
+    judge_protocol: Literal["", "privacylens", "strict"] = opt("", "the judge's prompts, parsers (empty: the run's)")
+    judge_max_new_tokens: int = opt(0, "tokens per verdict (0: the run's, or the new protocol's default)", "[0, inf)")
+    judge_concurrency: int = opt(256, "--judge-url: requests in flight", "[1, inf)")
+
+
+def cmd_judge(cfg):
+    """Judge a finished collect or eval run's outputs again (another judge, protocol or budget), into a new folder."""
+    kind, source = finished_run(cfg.run)
+    protocol = cfg.judge_protocol or source.judge_protocol
+    budget = cfg.judge_max_new_tokens or (source.judge_max_new_tokens if protocol == source.judge_protocol else 0)
+    judge = cfg.judge_model or source.judge_model or source.model
+    new = dataclasses.replace(source, out=cfg.out, judge_model=judge, judge_url=cfg.judge_url, judge_protocol=protocol)
+    new = check_rollout_flags(
+        dataclasses.replace(new, judge_max_new_tokens=budget, judge_concurrency=cfg.judge_concurrency)
+    )
+    config = {k: v for k, v in read_json_file(os.path.join(cfg.run, "config.json")).items() if k != "provenance"}
+    flags = {**config, **{k: getattr(new, k) for k in ("judge_protocol", "judge_max_new_tokens", "judge_url")}}
+    flags.update(models={**config["models"], "judge": judge}, source_run=os.path.abspath(cfg.run))
+    records = read_rollouts(cfg.run)
+    cases = {c["name"]: c for c in load_cases(source.data, "all")}
+
+    def work(models, names):
+        return rejudged(cases, [records[name] for name in names], models, new)
+
+    done = run_stage(new, list(records), flags, {"judge": judge}, work)
+    if done is not None and kind == "collect":
+        taus, reward_kw = (
+            parse_taus(new.tau, config["topology"]),
+            {k: getattr(new, k) for k in ("b1", "b2", "alpha", "beta")},
+        )
+        write_collect_outputs(new, list(done.values()), *pairs_from_records(list(done.values()), taus, reward_kw), taus)
+    elif done is not None:
+        write_eval_report(new, read_json_file(os.path.join(cfg.run, "report.json"))["label"], list(done.values()))
+
+
+def finished_run(run):
+    """("collect" | "eval", the config of the command that made it, from its summary.json or report.json)."""
+    summary, report = os.path.join(run, "summary.json"), os.path.join(run, "report.json")
+    if os.path.exists(summary):
+        return "collect", CollectConfig(**read_json_file(summary)["flags"])
+    if os.path.exists(report) and read_json_file(report).get("benchmark", "privacylens") == "privacylens":
+        flags = read_json_file(report)["flags"]
+        return "eval", EvalConfig(**{**flags, "compare": tuple(flags["compare"])})
+    raise UsageError(
+        f"{run}: not a finished collect or PrivacyLens eval (no summary.json or report.json): finish it first"
+    )
+
+
+def rejudged(cases, records, models, cfg):
+    """The records with every leaf judged anew in one batch (judge_leaves), as collect and eval judge a chunk."""
+    roots = [node_from_dict(rec["tree"]) for rec in records]
+    leaves = []
+    for rec, root in zip(records, roots, strict=True):
+        leaves.extend((leaf, cases[rec["case"]], path) for leaf, path in leaves_with_paths(root))
+    n_tokens = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, collections.Counter())
+    per_case = round(n_tokens / len(records), 1)
+    return [
+        {**rec, "tree": dataclasses.asdict(root), "judge_tokens": per_case}
+        for rec, root in zip(records, roots, strict=True)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
 
@@ -3120,6 +3143,7 @@ COMMANDS = {
     "train": (TrainConfig, cmd_train),
     "eval": (EvalConfig, cmd_eval),
     "show": (ShowConfig, cmd_show),
+    "judge": (JudgeConfig, cmd_judge),
 }
 
 

@@ -859,7 +859,7 @@ def test_help_shows_each_default_once(capsys):
         privact.main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: )" not in text and "(default: --model) (default" not in text
-    assert "the roles named are the trained ones" in " ".join(
+    assert "only the roles named get pairs" in " ".join(
         privact.CollectConfig.__dataclass_fields__["tau"].metadata["help"].split()
     )
     assert "eval folders or their report.json" in text
@@ -1462,6 +1462,82 @@ def test_judge_protocol_recorded_and_resume_refuses_a_change(tmp_path, data_file
         and json.loads((out / "config.json").read_text())["judge_max_new_tokens"] == 1000
     )
     assert "judge protocol" in capsys.readouterr().out and "privacylens" in privact.format_table([report])
+
+
+def test_judge_rejudges_a_run_with_its_own_judge_exactly_and_another_judge_trains_and_compares(
+    tmp_path, data_file, tiny_model, monkeypatch, capsys
+):
+    """privact.py judge: re-judging a collect with its own judge gives its judgments byte for byte, no policy
+    loaded; another judge (the strict protocol) gives a folder that show, train and eval --compare take; an
+    eval folder re-judged gives a report; an unfinished folder gets one line."""
+    import itertools
+
+    def varying_verdicts():  # each command's n-th verdict: the same order gives the same values; pairs appear
+        counter = itertools.count()
+
+        def verdict(text, kind, protocol):  # a leak on every fifth call (not in step with a leaf's calls); help 0-3
+            n = next(counter)
+            return n % 5 == 0 if kind == "leak" else n % 4
+
+        monkeypatch.setattr(privact, "judge_verdict", verdict)
+
+    monkeypatch.setattr(privact, "judged_action", lambda case, output, protocol: "Action: X")  # every leaf judged
+    varying_verdicts()
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=-0.2,refiner=-0.2")) == 0
+    loads = []
+    real_load = privact.load_model
+    monkeypatch.setattr(privact, "load_model", lambda path, *a, **k: loads.append(path) or real_load(path, *a, **k))
+    same = tmp_path / "same"
+    varying_verdicts()
+    assert run_cli("judge", run, "--out", same) == 0 and loads == [str(tiny_model)]  # the judge, once
+    assert leaf_judgments(same) == leaf_judgments(run)
+    assert read_jsonl(same / "pairs_refiner.jsonl") == read_jsonl(run / "pairs_refiner.jsonl") != []
+    config = json.loads((same / "config.json").read_text())
+    assert config["source_run"] == str(run.resolve()) and config["models"]["judge"] == str(tiny_model)
+    other = tmp_path / "strict"
+    varying_verdicts()
+    assert run_cli("judge", run, "--out", other, "--judge-protocol", "strict", "--judge-max-new-tokens", "4") == 0
+    judged = json.loads((other / "config.json").read_text())
+    assert judged["judge_protocol"] == "strict" and judged["judge_max_new_tokens"] == 4
+    assert all(len(j["judge_outputs"]) == len(j["leaks"]) + 1 for _, _, j in leaf_judgments(other))
+    assert [o for _, o, _ in leaf_judgments(other)] == [o for _, o, _ in leaf_judgments(run)]
+    assert run_cli("show", other) == 0 and "pairs:" in capsys.readouterr().out
+    pairs = next(p for p in (other / "pairs_verifier.jsonl", other / "pairs_refiner.jsonl") if read_jsonl(p))
+    assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--max-steps", "1", "--eval-fraction", "0") == 0
+    ev = tmp_path / "ev"
+    assert run_cli(*eval_args(data_file, ev, tiny_model, "--baseline", "vanilla")) == 0
+    assert run_cli("judge", ev, "--out", tmp_path / "ev2", "--judge-protocol", "strict") == 0
+    assert run_cli("eval", "--compare", ev, tmp_path / "ev2") == 0 and "strict" in capsys.readouterr().out
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    assert run_cli("judge", unfinished, "--out", tmp_path / "x") == 2
+    assert "not a finished collect or PrivacyLens eval" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_judge_killed_resumes_with_each_case_once(tmp_path, data_file, tiny_model, monkeypatch):
+    run = tmp_path / "run"
+    assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "3", "--chunk-cases", "1")) == 0
+    real, calls = privact.rejudged, []
+
+    def killed_on_the_second_chunk(cases, records, *a):
+        calls.append([r["case"] for r in records])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(cases, records, *a)
+
+    monkeypatch.setattr(privact, "rejudged", killed_on_the_second_chunk)
+    assert run_cli("judge", run, "--out", tmp_path / "new") == 130
+    monkeypatch.setattr(
+        privact,
+        "rejudged",
+        lambda cases, records, *a: calls.append([r["case"] for r in records]) or real(cases, records, *a),
+    )
+    assert run_cli("judge", run, "--out", tmp_path / "new") == 0
+    names = [r["case"] for r in read_jsonl(run / "rollouts.jsonl")]
+    assert calls == [[names[0]], [names[1]], [names[1]], [names[2]]]  # the first chunk was kept
+    assert [r["case"] for r in read_jsonl(tmp_path / "new" / "rollouts.jsonl")] == names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2311,6 +2387,53 @@ def dpo_loss_of(model_path, ref_path, pairs):
     lp, lr, n = torch.cat(lp), torch.cat(lr), len(examples)
     losses, cr, rr = privact.dpo_loss(lp[:n], lp[n:], lr[:n], lr[n:], 0.4)
     return losses.mean().item(), (cr > rr).float().mean().item()
+
+
+def test_pairs_load_in_trl_conversational_format(tmp_path, tiny_model):
+    """The README's one line turns a pairs file into TRL's conversational preference format: TRL's own
+    checks take it, and its chat-template step renders it (no training)."""
+    trl_data = pytest.importorskip("trl.data_utils", reason="pip install trl")
+    import datasets
+
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 3)
+    block = re.search(r"```python\n(.*?)```", (HERE / "README.md").read_text().split("TRL's conversational")[1], re.S)
+    scope = {"datasets": datasets, "path": str(pairs)}
+    exec(block.group(1), scope)  # the README's line, verbatim: ds = ...
+    ds = scope["ds"]
+    assert len(ds) == 3 and all(trl_data.is_conversational(row) for row in ds)
+    assert ds[0]["chosen"] == [{"role": "assistant", "content": read_jsonl(pairs)[0]["chosen"]}]
+    _, tok = privact.load_model(tiny_model)
+    rendered = trl_data.maybe_apply_chat_template(ds[0], tok)
+    assert rendered["prompt"].startswith("<|im_start|>") or rendered["prompt"]  # text TRL trains on
+    assert read_jsonl(pairs)[0]["rejected"] in rendered["rejected"]
+
+
+def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
+    """--report-to tensorboard: the event files under <out>/logs hold train/loss (and the DPO debugging
+    metrics) at every logged step and the held-out pairs at step 0; a tracker not installed is one line."""
+    pytest.importorskip("tensorboard", reason="pip install tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 10)
+    out = tmp_path / "ckpt"
+    args = ["train", "--pairs", pairs, "--model", tiny_model, "--out", out, "--batch-size", "2", "--grad-accum", "1"]
+    assert run_cli(*args, "--max-steps", "3", "--eval-fraction", "0.2", "--report-to", "tensorboard") == 0
+    acc = EventAccumulator(str(out / "logs" / "privact-refiner"))  # the run's scalars (its hparams: a subfolder)
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    assert acc.Scalars("train/loss")[0].value == pytest.approx(math.log(2), abs=1e-4)
+    assert {"train/logp_chosen_per_token", "train/logp_rejected_per_token", "train/grad_norm"} <= set(tags)
+    assert 0 in [e.step for e in acc.Scalars("eval/loss")]  # where the run started
+    metrics = json.loads((out / "train_metrics.json").read_text())
+    assert metrics["eval_at_start"]["eval/loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert not (tmp_path / "ckpt.state").exists()
+    missing = next((t for t in ("wandb", "aim", "dvclive", "clearml") if not privact.importlib.util.find_spec(t)), None)
+    if missing:
+        assert run_cli(*args, "--out", tmp_path / "o2", "--report-to", missing) == 2
+        assert f"--report-to {missing}: pip install {missing}" in capsys.readouterr().err
 
 
 def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model, monkeypatch):
