@@ -29,7 +29,8 @@ default (--judge-protocol privacylens, the paper's instrument), or a stricter on
 Left out on purpose: ToolEmu execution of the action (the action is judged as written, as in
 PrivacyLens' action-based evaluation) and LoRA. vLLM is never imported: a judge served by vLLM
 (or any OpenAI-compatible server) is reached with --judge-url. `privact.py show RUN` prints what
-the method did to one case of a run: its tree, values and pairs.
+the method did to one case of a run: its tree, values and pairs; `privact.py judge RUN --out NEW`
+judges a finished run's outputs again with another judge, without regenerating them.
 """
 
 import argparse
