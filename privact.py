@@ -150,7 +150,7 @@ class RolloutConfig:
     judge_model: str = opt("", "judge model, or its served name with --judge-url (empty: --model; paper: Mistral-7B)")
     judge_url: str = opt("", "a served judge: an OpenAI-compatible base URL (vLLM, TGI, ...); key: $OPENAI_API_KEY")
     judge_concurrency: int = opt(256, "--judge-url: requests in flight, for the server to batch", "[1, inf)")
-    topology: str = opt("generator,verifier,refiner", "chain of agent roles, comma separated")
+    topology: str = opt("generator,verifier,refiner", f"chain of agent roles, comma separated, of {', '.join(NEEDS)}")
     prompt: Literal["naive", "privacy_enhanced"] = opt("naive", "system-line variant (privacy_enhanced: PPE)")
     max_new_tokens: int = opt(1000, "generation budget per agent output, in tokens", "[1, inf)")
     judge_protocol: Literal["privacylens", "strict"] = opt("privacylens", "PrivacyLens's judge (the paper's), or ours")
@@ -1977,7 +1977,8 @@ def finish_training(run, model, tok, progress, data):
         "num_processes": accelerator.num_processes,
         **provenance(),
     }
-    accelerator.end_training()
+    for tracker in accelerator.trackers:  # not end_training(): it would destroy the process group save_checkpoint needs
+        tracker.finish()
     save_checkpoint(accelerator, model, tok, run.out, metrics)
     logs = os.path.join(run.state_dir, "logs")
     if accelerator.is_main_process and os.path.isdir(logs):
@@ -2299,9 +2300,12 @@ def collate_pairs(examples, pad_id):
     padding attends causally and is never read); chosen_at, chosen_ids [B, Rc] and rejected_at,
     rejected_ids [B, Rr]: the positions whose next-token prediction scores each response token,
     and those tokens (-100 = padding); ref_chosen, ref_rejected [B] once computed."""
-    pad = lambda rows, value: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
-        [torch.tensor(row) for row in rows], batch_first=True, padding_value=value
-    )
+
+    def pad(rows, value):  # lists of ints -> [B, longest], right-padded with value
+        return torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(row) for row in rows], batch_first=True, padding_value=value
+        )
+
     sizes = [(len(e["prompt"]), len(e["chosen"]), len(e["rejected"])) for e in examples]
     width = max(map(sum, sizes))
     mask = torch.ones(len(examples), 1, width, width, dtype=torch.bool).tril()

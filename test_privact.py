@@ -865,6 +865,19 @@ def test_help_shows_each_default_once(capsys):
     assert "eval folders or their report.json" in text
 
 
+def test_show_marks_only_siblings_in_kept_pairs():
+    """pair_marks: + / - on the chosen / rejected side of every pair build_pairs keeps; siblings whose only
+    partner has the same text (a dropped pair) are not marked."""
+    a, b, c = (Node("refiner", [], text, value=v) for text, v in (("same", 1.0), ("same", -1.0), ("other", -0.5)))
+    root = Node(
+        "input", [], "", [Node("verifier", [], "v", [a, b], value=0.0), Node("verifier", [], "w", [c], value=0.0)]
+    )
+    marks = privact.pair_marks(root, {"refiner": 0.0})
+    assert marks == {}  # a/b: identical texts; c: no sibling on the other side
+    b.output = "different"
+    assert privact.pair_marks(root, {"refiner": 0.0}) == {id(a.prompt): "+", id(b.prompt): "-"}
+
+
 def test_no_pairs_diagnosis_counts_groups_and_names_flags():
     def node(role, value, kids=()):
         return Node(role, [], role, list(kids), value)
@@ -2114,7 +2127,10 @@ def test_deeper_chains_read_every_critique_since_the_latest_draft():
     """G-V-V-R: the second verifier reads the draft and the first critique; the refiner both critiques,
     in order. G-V-R-V-R: the second verifier and refiner read the refined draft and only its critique."""
     case = make_case("c")
-    user = lambda role, path: privact.build_chat(role, case, path)[1]["content"]  # noqa: E731
+
+    def user(role, path):
+        return privact.build_chat(role, case, path)[1]["content"]
+
     g, v1, v2, r1 = ("generator", "DRAFT-G"), ("verifier", "CRIT-1"), ("verifier", "CRIT-2"), ("refiner", "DRAFT-R")
     second = user("verifier", [g, v1])
     assert "## Proposed action\nDRAFT-G\n\n## Critiques already written on it\nCRIT-1\n\n## Your task" in second
@@ -2791,7 +2807,10 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     write_pairs(pairs, "verifier", 12)  # 3 optimizer steps per epoch
     extra = ("--epochs", "8", "--save-every", "1")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=600)  # noqa: E731
+
+    def run(cmd):
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
     done = run(train_cmd(pairs, whole, tiny_model, *extra, deepspeed=deepspeed))
     assert done.returncode == 0, done.stderr[-3000:]
     killed_at = kill_after_step(
