@@ -1172,6 +1172,7 @@ def provenance():
     return {"privact_commit": commit, "versions": versions}
 
 
+@functools.cache  # per tokenizer object: rollout_chunk asks once per role and chunk
 def tokenizer_fingerprint(tok):
     """Whether two tokenizers give the same ids: a hash of the vocabulary, the special tokens and the
     chat template. Pairs record the one that sampled them; train trains on their sampled ids under the
@@ -1698,7 +1699,8 @@ def flags_from_run(cfg, given):
         return cfg
     old = read_json_file(summary)["flags"]
     fields = {f.name for f in dataclasses.fields(cfg)}
-    return dataclasses.replace(cfg, **{k: v for k, v in old.items() if k in fields and k not in given})
+    kept = {k: v for k, v in old.items() if k in fields and k not in given and k != "out"}  # the folder is where it is
+    return dataclasses.replace(cfg, **kept)
 
 
 def check_run_config(path, flags, advice="use a new run folder", free=()):
@@ -2244,6 +2246,11 @@ def tokenize_pairs(tok, pairs, cfg):
     if sampled:
         as_sampled = tok([texts[i] + action_prefix(pairs[i]["role"]) for i in sampled], add_special_tokens=False)
         rollout_prompts = dict(zip(sampled, as_sampled["input_ids"], strict=True))
+    by_text = [i for i in range(len(pairs)) if i not in rollout_prompts]
+    wholes = {}  # (pair, side) -> prompt + response text tokenized as one, for the pairs that go through text
+    for side in ("chosen", "rejected") if by_text else ():
+        ids = tok([texts[i] + pairs[i][side] for i in by_text], add_special_tokens=False)["input_ids"]
+        wholes.update({(i, side): whole for i, whole in zip(by_text, ids, strict=True)})
     examples = []
     counts = collections.Counter(truncated_pairs=0, skipped_pairs=0, unclean_splits=0, pairs_through_text=0)
     for i, pair in enumerate(pairs):
@@ -2255,7 +2262,7 @@ def tokenize_pairs(tok, pairs, cfg):
             counts["pairs_through_text"] += 1
             prompt = prompts[i]
             chosen, rejected = (
-                text_response(tok, texts[i], prompt, pair, side, counts) for side in ("chosen", "rejected")
+                text_response(tok, wholes[i, side], prompt, pair, side, counts) for side in ("chosen", "rejected")
             )
         excess = len(prompt) + max(len(chosen), len(rejected)) - cfg.max_length
         if excess > 0:
@@ -2266,9 +2273,9 @@ def tokenize_pairs(tok, pairs, cfg):
     return examples, counts
 
 
-def text_response(tok, text, prompt, pair, side, counts):
-    """A response's tokens from its text (see tokenize_pairs); counts["unclean_splits"] counts the fallbacks."""
-    whole = tok(text + pair[side], add_special_tokens=False)["input_ids"]
+def text_response(tok, whole, prompt, pair, side, counts):
+    """A response's tokens from `whole`, its prompt + text tokenized as one (see tokenize_pairs), split at
+    the prompt; counts["unclean_splits"] counts the fallbacks to the text alone."""
     if whole[: len(prompt)] == prompt:
         ids = whole[len(prompt) :]
     else:
