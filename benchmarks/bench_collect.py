@@ -121,7 +121,7 @@ def main():
     ]
 
     def total(key):
-        return round(sum(r[key] for r in records))
+        return round(sum(r.get(key, 0) for r in records))
 
     print(
         json.dumps(
@@ -138,8 +138,8 @@ def main():
                 "valid_leaves": sum(j["valid"] for j in leaves),
                 "generated_tokens": total("generated_tokens"),
                 "judge_tokens": total("judge_tokens"),
-                "prompt_tokens_prefilled": total("prompt_tokens_prefilled"),
-                "prompt_tokens_plain": total("prompt_tokens_plain"),
+                "prompt_tokens_prefilled": total("policy_prefill_tokens") + total("judge_prefill_tokens"),
+                "prompt_tokens_plain": total("policy_prefill_tokens_plain") + total("judge_prefill_tokens_plain"),
             }
         )
     )

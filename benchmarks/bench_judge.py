@@ -21,12 +21,8 @@ Needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starle
 import functools
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 
 import torch
 
@@ -49,39 +45,6 @@ def synthetic_leaves(cases, per_case):
     return leaves
 
 
-def serve(folder, continuous_batching, log):
-    """Start `transformers serve` on a free 127.0.0.1 port; -> (process, base URL) once it answers."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-c",
-        "from transformers.cli.transformers import main; main()",
-        "serve",
-        folder,
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ] + ["--continuous-batching"] * continuous_batching
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(1200):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
-            return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            if proc.poll() is not None:
-                sys.exit(f"transformers serve exited; see {log.name}")
-            time.sleep(0.1)
-    proc.kill()
-    sys.exit("transformers serve did not answer in 120 s")
-
-
 def judge(leaves, judge_fn, args):
     """Judge copies of `leaves` -> (seconds, verdict texts in order)."""
     copies = [(privact.Node(leaf.role, [], leaf.output), case, path) for leaf, case, path in leaves]
@@ -97,10 +60,7 @@ def main():
     ap.add_argument("--leaves", type=int, default=4, help="judged actions per case")
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight against the server")
     args = ap.parse_args()
-    from transformers.utils.import_utils import is_serve_available
-
-    if not is_serve_available():
-        sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
+    common.serving_available()
     torch.manual_seed(0)
     leaves = synthetic_leaves(privact.load_cases("", "train", args.cases), args.leaves)
     with tempfile.TemporaryDirectory() as folder, open(os.path.join(folder, "serve.log"), "w") as log:
@@ -111,7 +71,7 @@ def main():
         judge(leaves[:1], local, args)  # warm-up
         results = {"privact": judge(leaves, local, args)}
         for name, cb in (("serve", True), ("serve-seq", False)):
-            proc, url = serve(os.path.join(folder, "judge"), cb, log)
+            proc, url = common.serve(os.path.join(folder, "judge"), log, flags=["--continuous-batching"] * cb)
             try:
                 cfg = privact.CollectConfig(
                     judge_url=url, judge_model=os.path.join(folder, "judge"), judge_concurrency=args.concurrency

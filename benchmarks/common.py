@@ -7,7 +7,11 @@ gives an ArgumentParser with exactly those shared flags, at those defaults; each
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -32,3 +36,34 @@ def parser(doc, **defaults):
         kind, text = SHARED_FLAGS[name]
         ap.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=f"{text} (default: {default})")
     return ap
+
+
+def serve(folder, log, device="cpu", dtype="float32", flags=(), wait_s=120):
+    """Start `transformers serve FOLDER` (`flags` added, e.g. --continuous-batching) on a free 127.0.0.1
+    port, output to `log` -> (process, base URL) once it answers; exits naming the log if it dies or
+    does not answer in `wait_s` seconds."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", folder]
+    cmd += ["--device", device, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + wait_s
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            if proc.poll() is not None:
+                sys.exit(f"transformers serve exited; see {log.name}")
+            time.sleep(0.1)
+    proc.kill()
+    sys.exit(f"transformers serve did not answer in {wait_s} s; see {log.name}")
+
+
+def serving_available():
+    """Whether transformers' serving extras are installed; else exit naming the pip command."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
