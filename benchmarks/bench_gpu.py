@@ -321,7 +321,7 @@ def served_stage(ctx):
         for leaf, _ in privact.leaves_with_paths(privact.node_from_dict(rec["tree"]))
     ]
     same = sum(a == b for mine, theirs in zip(texts, local, strict=True) for a, b in zip(mine, theirs, strict=True))
-    in_process = sum(r["judge_prefill_seconds"] + r["judge_decode_seconds"] for r in records) / len(records)
+    in_process = ctx.figures["collect"]["judge_s_per_case"]  # the same leaves, judged in collect's chunks
     ctx.figures["served"] = {
         "server": f"transformers serve {' '.join(flags)}",
         "cases": len(records),
@@ -726,6 +726,9 @@ def parse_args(argv=None):
     needs_collect = {"served", "peers"} & set(args.stages)
     if not set(args.stages) <= set(STAGES) or (needs_collect and "collect" not in args.stages):
         ap.error(f"--stages {','.join(args.stages)}: choose from {','.join(STAGES)}; served and peers need collect")
+    widths = args.branching.split(",")
+    if len(widths) != len(ROLES) or not all(w.isdigit() and int(w) > 0 for w in widths):
+        ap.error(f"--branching {args.branching}: one positive width per role of {','.join(ROLES)}")
     return args
 
 

@@ -16,15 +16,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 carry=${2:-.carry}
-# transformers as pinned, and the serving extras with the packages they need that the image lacks or has too old
-CARRIED="transformers regex fastapi starlette annotated-doc uvicorn h11 click openai pydantic pydantic-core
-annotated-types typing-inspection typing-extensions jiter sniffio anyio httpx2 httpcore2 truststore idna
-opentelemetry-api"
+# transformers and the hub client at the versions tested here, and the serving extras with what they need: the image
+# lacks some of these and holds older versions of others
+CARRIED="transformers tokenizers safetensors huggingface-hub hf-xet regex fastapi starlette annotated-doc uvicorn h11
+click openai pydantic pydantic-core annotated-types typing-inspection typing-extensions jiter sniffio anyio httpx2
+httpcore2 truststore idna opentelemetry-api"
 
 case "$mode" in
 prepare)
     mkdir -p "$carry/wheels"
-    pins=$(python3 -c 'import importlib.metadata as m, sys; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $CARRIED)
+    # shellcheck disable=SC2086  # $CARRIED is a word list
+    pins=$(python3 - $CARRIED <<'PY'
+import importlib.metadata as m
+import sys
+
+try:
+    print(" ".join(f"{name}=={m.version(name)}" for name in sys.argv[1:]))
+except m.PackageNotFoundError as e:
+    sys.exit(f"gpu_run.sh prepare: {e} is not installed here; pip install it first (its version is the one carried)")
+PY
+)
     platforms=""
     for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
         platforms="$platforms --platform $p"
