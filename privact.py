@@ -576,7 +576,8 @@ def judge_leaves(leaves, judge, cfg, stats):
     """Set `judgment` on each (leaf, case, path): the judge_chats of the path's last action, all
     greedy and batched together through `judge(chats, decoding, stats)` (the judge model loaded
     here, or a served one: judge_endpoint). A leaf without a judged action counts as no leak and
-    helpfulness 0, flagged invalid (the PrivacyLens convention). Returns the judge's tokens."""
+    helpfulness 0, flagged invalid (the PrivacyLens convention). `stats`, a Counter, gets the judge's
+    timings (generate_batched's judge_*, or judge_served_seconds). Returns the judge's tokens."""
     chats = []
     asks = []  # asks[i]: which verdict chats[i] gives: (the leaf's judgment, "leak", item) or (.., "help", None)
     for leaf, case, path in leaves:
@@ -1517,7 +1518,7 @@ def loaded_or_served_judge(models, cfg):
     return functools.partial(judge_endpoint, cfg)
 
 
-def judge_endpoint(cfg, chats, decoding, stats=None):
+def judge_endpoint(cfg, chats, decoding, stats):
     """generate_batched's stand-in for --judge-url: each chat one POST {url}/chat/completions (post_chat),
     --judge-concurrency in flight so that the server batches them. -> ([[Completion] per chat],
     completion tokens from `usage`). The server applies its own chat template: tokenization (BOS
@@ -1536,8 +1537,7 @@ def judge_endpoint(cfg, chats, decoding, stats=None):
     finally:  # requests still retrying end within their backoff
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
-    if stats is not None:
-        stats["judge_served_seconds"] += time.time() - start
+    stats["judge_served_seconds"] += time.time() - start
     return completions, n_tokens
 
 
@@ -3094,15 +3094,17 @@ def finished_run(run):
 
 
 def rejudged(cases, records, models, cfg):
-    """The records with every leaf judged anew in one batch (judge_leaves), as collect and eval judge a chunk."""
+    """The records with every leaf judged anew in one batch (judge_leaves), as collect and eval judge a chunk;
+    their judge_* counts are the new judge's."""
     roots = [node_from_dict(rec["tree"]) for rec in records]
     leaves = []
     for rec, root in zip(records, roots, strict=True):
         leaves.extend((leaf, cases[rec["case"]], path) for leaf, path in leaves_with_paths(root))
-    n_tokens = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, collections.Counter())
-    per_case = round(n_tokens / len(records), 1)
+    stats = collections.Counter()
+    stats["judge_tokens"] = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, stats)
+    per_case = {key: round(value / len(records), 3) for key, value in stats.items()}  # the new judge's counts
     return [
-        {**rec, "tree": dataclasses.asdict(root), "judge_tokens": per_case}
+        {**{k: v for k, v in rec.items() if not k.startswith("judge_")}, "tree": dataclasses.asdict(root), **per_case}
         for rec, root in zip(records, roots, strict=True)
     ]
 

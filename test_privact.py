@@ -1345,7 +1345,7 @@ def test_judge_answer_slot_reads_a_verdict_word_from_a_random_model(tiny_model):
     cfg = privact.CollectConfig(judge_protocol="strict", judge_max_new_tokens=5, batch_size=4)
     judge = privact.loaded_or_served_judge({"judge": (model, tok)}, cfg)
     privact.judge_leaves(
-        [(leaf, case, [("refiner", action)]), (bad, case, [("refiner", bad.output)])], judge, cfg, None
+        [(leaf, case, [("refiner", action)]), (bad, case, [("refiner", bad.output)])], judge, cfg, collections.Counter()
     )
     outputs = leaf.judgment["judge_outputs"]
     assert leaf.judgment["valid"] and len(outputs) == 3  # one call per item + one helpfulness call
@@ -1523,6 +1523,10 @@ def test_judge_rejudges_a_run_with_its_own_judge_exactly_and_another_judge_train
     assert judged["judge_protocol"] == "strict" and judged["judge_max_new_tokens"] == 4
     assert all(len(j["judge_outputs"]) == len(j["leaks"]) + 1 for _, _, j in leaf_judgments(other))
     assert [o for _, o, _ in leaf_judgments(other)] == [o for _, o, _ in leaf_judgments(run)]
+    before, after = read_jsonl(run / "rollouts.jsonl"), read_jsonl(other / "rollouts.jsonl")
+    for old, new in zip(before, after, strict=True):  # the policy's counts kept, the judge's the new judge's
+        assert new["policy_decode_seconds"] == old["policy_decode_seconds"] and new["seconds"] == old["seconds"]
+        assert new["judge_decode_seconds"] != old["judge_decode_seconds"] and new["judge_tokens"] > 0
     assert run_cli("show", other) == 0 and "pairs:" in capsys.readouterr().out
     pairs = next(p for p in (other / "pairs_verifier.jsonl", other / "pairs_refiner.jsonl") if read_jsonl(p))
     assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--max-steps", "1", "--eval-fraction", "0") == 0

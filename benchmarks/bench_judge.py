@@ -18,6 +18,7 @@ case for each, how many verdict texts equal the local judge's, and a JSON line.
 Needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette
 """
 
+import collections
 import functools
 import json
 import os
@@ -50,7 +51,7 @@ def judge(leaves, judge_fn, args):
     copies = [(privact.Node(leaf.role, [], leaf.output), case, path) for leaf, case, path in leaves]
     cfg = privact.CollectConfig(judge_max_new_tokens=args.judge_max_new_tokens, batch_size=args.batch_size)
     start = time.perf_counter()
-    privact.judge_leaves(copies, judge_fn, cfg, None)
+    privact.judge_leaves(copies, judge_fn, cfg, collections.Counter())
     return time.perf_counter() - start, [leaf.judgment["judge_outputs"] for leaf, _, _ in copies]
 
 
