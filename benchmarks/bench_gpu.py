@@ -474,18 +474,12 @@ def plain_loop(records, cases, models, args, budget):
                     [tok(privact.chat_text(tok, node.children[0].prompt), add_special_tokens=False)["input_ids"]],
                     device=model.device,
                 )
-                gen = GenerationConfig(
-                    max_new_tokens=budget,
-                    do_sample=True,
-                    temperature=1.0,
-                    top_k=0,
-                    top_p=1.0,
-                    num_return_sequences=width,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                )
                 with torch.inference_mode():
-                    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+                    model.generate(
+                        input_ids=ids,
+                        attention_mask=torch.ones_like(ids),
+                        generation_config=sampling(tok, budget, width),
+                    )
             frontier = [c for node in frontier for c in node.children]
         judge, jtok = models["judge"]
         for _, path in privact.leaves_with_paths(privact.node_from_dict(rec["tree"])):
@@ -504,6 +498,22 @@ def plain_loop(records, cases, models, args, budget):
                     judge.generate(
                         input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=jtok
                     )
+
+
+def sampling(tok, budget, width):
+    """The peers' agent sampling: `width` samples at plain temperature 1, as privact samples."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=budget,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=width,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
 
 
 def cb_config(args):
@@ -529,16 +539,7 @@ def batch_engine_loop(records, cases, models, args, budget):
             inputs=inputs,
             warmup=torch.cuda.is_available(),
             continuous_batching_config=cb_config(args),
-            generation_config=GenerationConfig(
-                max_new_tokens=budget,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
-                num_return_sequences=width,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-            ),
+            generation_config=sampling(tok, budget, width),
         )
         frontier = [c for n in frontier for c in n.children]
     judge, jtok = models["judge"]

@@ -66,7 +66,7 @@ run)
     {
         date -u
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null ||
-            lscpu | grep -m1 'Model name'
+            lscpu 2>/dev/null | grep -m1 'Model name' || uname -m
         python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
         # a hard limit: at LIMIT seconds an interrupt ends the stage in flight, and the JSON keeps what was measured
         timeout --preserve-status -s INT -k 60 "${LIMIT:-420}" \
