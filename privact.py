@@ -3103,10 +3103,8 @@ def rejudged(cases, records, models, cfg):
     stats = collections.Counter()
     stats["judge_tokens"] = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, stats)
     per_case = {key: round(value / len(records), 3) for key, value in stats.items()}  # the new judge's counts
-    return [
-        {**{k: v for k, v in rec.items() if not k.startswith("judge_")}, "tree": dataclasses.asdict(root), **per_case}
-        for rec, root in zip(records, roots, strict=True)
-    ]
+    kept = [{k: v for k, v in rec.items() if not k.startswith("judge_")} for rec in records]  # the policy's counts
+    return [{**rec, "tree": dataclasses.asdict(root), **per_case} for rec, root in zip(kept, roots, strict=True)]
 
 
 # ----------------------------------------------------------------------------------------------
