@@ -817,28 +817,8 @@ def test_verdicts_cut_at_the_judge_budget_are_counted_and_warned(tmp_path, data_
     assert finishes and summary["collect/judge_cut_rate"] == sum(f == "cut" for f in finishes) / len(finishes) > 0.1
     assert "of the verdicts ran out of --judge-max-new-tokens 2" in capsys.readouterr().err
     out = tmp_path / "ev"
-    assert (
-        run_cli(
-            "eval",
-            "--data",
-            data_file,
-            "--out",
-            out,
-            "--model",
-            tiny_model,
-            "--k",
-            "2",
-            "--num-cases",
-            "1",
-            "--max-new-tokens",
-            "4",
-            "--judge-max-new-tokens",
-            "2",
-            "--dtype",
-            "float32",
-        )
-        == 0
-    )
+    later = ("--k", "2", "--num-cases", "1", "--max-new-tokens", "4", "--judge-max-new-tokens", "2")  # they win
+    assert run_cli(*eval_args(data_file, out, tiny_model, *later)) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["judge_cut_rate"] > 0.1 and report["versions"]["torch"] == torch.__version__
     assert 0 <= report["cut_share"] <= 1
@@ -1946,6 +1926,39 @@ def test_shared_prefix_generation_equals_plain_generate(tiny_model):
     # prefixes 30 + 3 + 8, the rests minus their last token (23-1) + (21-1) + (5-1) + 0 + 2 + 0, and
     # every sample's last prompt token: 6 prompts x 3 samples
     assert prefilled == 41 + 48 + 18
+
+
+def test_shared_prefix_times_prefill_then_decode_on_the_synchronized_clock(tiny_model, monkeypatch):
+    """prefill_seconds is the clock from before prefill_shared to after it; decode_seconds from there to after
+    generate: a fake clock (1, 10, 100) read between logged calls gives 9 and 90."""
+    from transformers import GenerationConfig
+
+    model, tok = privact.load_model(tiny_model)
+    events, ticks = [], iter([1.0, 10.0, 100.0])
+    real_prefill, real_generate = privact.prefill_shared, model.generate
+
+    def clock(device):
+        events.append("clock")
+        return next(ticks)
+
+    def prefill(*a, **k):
+        events.append("prefill")
+        return real_prefill(*a, **k)
+
+    def generate(*a, **k):
+        events.append("generate")
+        return real_generate(*a, **k)
+
+    monkeypatch.setattr(privact, "synchronized_clock", clock)
+    monkeypatch.setattr(privact, "prefill_shared", prefill)
+    monkeypatch.setattr(model, "generate", generate)
+    gen = GenerationConfig(
+        max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id
+    )
+    with torch.inference_mode():
+        *_, seconds = privact.generate_shared_prefix(model, [[5, 6, 7, 8], [5, 6, 9]], [0, 0], gen, 2)
+    assert events == ["clock", "prefill", "clock", "generate", "clock"]
+    assert seconds == {"prefill_seconds": 9.0, "decode_seconds": 90.0}
 
 
 def test_generate_batched_with_a_sliding_window_model(tiny_model):
