@@ -157,9 +157,7 @@ class RolloutConfig:
     judge_max_new_tokens: int = opt(0, "tokens per verdict (0: 1000 for privacylens, 256 for strict)", "[0, inf)")
     temperature: float = opt(1.0, "sampling temperature where a level samples (paper: 1.0; no top-k/top-p)", "(0, inf)")
     batch_size: int = opt(16, "sequences per generate call; lower it after an out-of-memory error", "[1, inf)")
-    chunk_cases: int = opt(
-        8, "cases rolled out together, then appended to rollouts.jsonl (the resume unit)", "[1, inf)"
-    )
+    chunk_cases: int = opt(8, "cases rolled out together, appended to rollouts.jsonl at once (resume unit)", "[1, inf)")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt(
         "auto", "generation weights (auto: the paper's bfloat16 on a GPU or a CPU with bf16 units, else float32)"
     )
@@ -171,9 +169,7 @@ class RolloutConfig:
 class CollectConfig(RolloutConfig):
     out: str = opt("runs/collect", "run folder: config.json, rollouts.jsonl, pairs_<role>.jsonl, summary.json")
     branching: str = opt("4,4,4", "samples per node at each level of the chain (paper B_1,B_2,B_3)")
-    tau: str = opt(
-        "verifier=0.5,refiner=0.5", "role=threshold in [-1, 1] (tau_2, tau_3); only the roles named get pairs"
-    )
+    tau: str = opt("verifier=0.5,refiner=0.5", "role=threshold in [-1, 1] (tau_2, tau_3); only roles named get pairs")
     min_pairs: int = opt(0, "go on past --num-cases until every trained role has N pairs (0 = off)", "[0, inf)")
     b1: float = opt(0.0, "LC-ARS leak-regime offset b_1 (Eq. 1)", "[-1, 1]")
     b2: float = opt(0.3, "LC-ARS no-leak baseline reward b_2 (Eq. 1)", "[0, 1]")
@@ -3200,11 +3196,19 @@ def main(argv=None):
             file=sys.stderr,
         )
         return 2
-    finally:  # stop gloo's worker threads while the interpreter runs: left to its exit they can abort it (SIGABRT)
+    finally:  # release the process group (gloo's threads, NCCL's communicators) while the interpreter runs
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # One of several processes ends without interpreter teardown. There a native thread still reaching for the GIL
+    # (gloo's, releasing a collective's tensors) aborts the process: SIGABRT, "terminate called without an active
+    # exception", seen after destroy_process_group too. Every output is written and closed; stdio is flushed here.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -847,7 +847,7 @@ def test_help_shows_each_default_once(capsys):
         privact.main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: )" not in text and "(default: --model) (default" not in text
-    assert "only the roles named get pairs" in " ".join(
+    assert "only roles named get pairs" in " ".join(
         privact.CollectConfig.__dataclass_fields__["tau"].metadata["help"].split()
     )
     assert "eval folders or their report.json" in text
@@ -1101,7 +1101,7 @@ def torchrun(nproc, *args, port, **kw):
     ]
     return subprocess.Popen(
         cmd,
-        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONFAULTHANDLER": "1"},  # an abort prints each thread's stack
         start_new_session=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
