@@ -55,6 +55,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from threading import Event
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -200,9 +201,7 @@ class TrainConfig:
     log_every: int = opt(1, "optimizer steps between log lines", "[1, inf)")
     save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0 = none)", "[0, inf)")
     report_to: str = opt("", f"trackers for the training curves, comma separated: {', '.join(TRACKERS)}")
-    keep_state: bool = opt(
-        False, "keep <out>.state after the checkpoint is saved", action=argparse.BooleanOptionalAction
-    )
+    keep_state: bool = opt(False, "keep <out>.state after saving the checkpoint", action=argparse.BooleanOptionalAction)
     chat_date: str = opt(CHAT_DATE, "the date the chat template renders: the one the pairs were sampled under")
     seed: int = opt(0, "seed for the held-out split, data order and init")
 
@@ -212,9 +211,7 @@ class EvalConfig(RolloutConfig):
     split: Literal["train", "test", "all"] = opt("test", "test: the 99 held-out cases")
     out: str = opt("runs/eval", "output folder: rollouts.jsonl (per-sample records) and report.json")
     k: int = opt(10, "samples per case: branching K,1,1 (the first agent samples, the rest greedy)", "[1, inf)")
-    baseline: Literal["", "vanilla", "ppe", "aifc"] = opt(
-        "", "a baseline's chain and prompt (not --topology, --prompt)"
-    )
+    baseline: Literal["", "vanilla", "ppe", "aifc"] = opt("", "a baseline's chain and prompt (not --topology/--prompt)")
     generator: str = opt("", "model for the generator role (default: --model)")
     verifier: str = opt("", "model for the verifier role, e.g. a trained checkpoint (default: --model)")
     refiner: str = opt("", "model for the refiner role, e.g. a trained checkpoint (default: --model)")
@@ -223,9 +220,7 @@ class EvalConfig(RolloutConfig):
     compare: tuple = opt((), "print these reports (eval folders or their report.json) side by side and exit", nargs="+")
     plot: str = opt("", "with --compare: the paper's Figure 2 of the PrivacyLens reports, as this PNG (matplotlib)")
     plot_samples: Literal["all", "valid"] = opt("all", "--plot: all samples (PrivacyLens) or valid ones (the paper)")
-    benchmark: Literal["privacylens", "confaide"] = opt(
-        "privacylens", "the agent chain, or ConfAIde tiers 3-4 (Table 2)"
-    )
+    benchmark: Literal["privacylens", "confaide"] = opt("privacylens", "the agent chain, or ConfAIde's tiers 3-4")
     tiers: str = opt("3,4", "confaide: tiers to run (tier 3: FR, IA, PS; tier 4: MS, AI)")
     samples: int = opt(10, "confaide: sampled answers per prompt", "[1, inf)")
     max_new_tokens: int = opt(0, "tokens per output (0: 1000 for privacylens, 256 for confaide)", "[0, inf)")
@@ -1521,7 +1516,8 @@ def judge_endpoint(cfg, chats, decoding, stats):
     included) is the server's. After a failure, requests not yet sent are dropped."""
     assert decoding.samples == 1 and decoding.stop and not decoding.answer_slot, "a served judge: greedy, stop string"
     url = cfg.judge_url.rstrip("/") + "/chat/completions"
-    post = functools.partial(post_chat, url, cfg.judge_model or cfg.model, decoding)
+    stop = Event()  # set when this call ends: requests waiting to retry end then
+    post = functools.partial(post_chat, url, cfg.judge_model or cfg.model, decoding, stop)
     completions, n_tokens, start = [], 0, time.time()
     pool = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency)
     bar = tqdm(pool.map(post, chats), total=len(chats), desc=decoding.desc, unit="seq", leave=False)
@@ -1530,7 +1526,8 @@ def judge_endpoint(cfg, chats, decoding, stats):
             completions.append([Completion(text, None, finish)])
             n_tokens += n
             bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
-    finally:  # requests still retrying end within their backoff
+    finally:  # an interrupt or a failed request: no request starts or retries after it
+        stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
     stats["judge_served_seconds"] += time.time() - start
@@ -1553,12 +1550,12 @@ def error_detail(error):
     return f": {body[:200]}" if body.lstrip().startswith("{") else ""
 
 
-def post_chat(url, model, decoding, chat):
+def post_chat(url, model, decoding, stop, chat):
     """One greedy chat completion -> (its text cut at decoding.stop, its completion tokens, "stop" or "cut").
     Connection errors, timeouts (an hour: a busy server queues requests), 429 and 5xx are retried
-    JUDGE_RETRIES times, after 1, 2, 4, 8 and 16 s; then, or at once on any other failure, one
-    UsageError line naming the URL and the status or cause. $OPENAI_API_KEY, when set, goes into the
-    Authorization header alone and is scrubbed from every message."""
+    JUDGE_RETRIES times, after 1, 2, 4, 8 and 16 s, unless the Event `stop` is set first; then, or at
+    once on any other failure, one UsageError line naming the URL and the status or cause.
+    $OPENAI_API_KEY, when set, goes into the Authorization header alone and is scrubbed from every message."""
     key = os.environ.get("OPENAI_API_KEY", "")
     headers = {"Content-Type": "application/json"}
     if key:
@@ -1586,7 +1583,8 @@ def post_chat(url, model, decoding, chat):
             raise UsageError(
                 f"--judge-url {url}: {cause} (after {attempt + 1} tries); finished chunks are kept, rerun to resume"
             )
-        time.sleep(2**attempt)
+        if stop.wait(2**attempt):  # the call it serves has ended
+            raise UsageError(f"--judge-url {url}: {cause} (stopped after {attempt + 1} tries)")
 
 
 # ----------------------------------------------------------------------------------------------

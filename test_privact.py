@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -1660,8 +1661,14 @@ def test_judge_through_transformers_serve_equals_the_local_judge_and_resumes_aft
             return records
 
         monkeypatch.setattr(privact, "rollout_chunk", server_dies_after_the_first_chunk)
-        waits, sleep = [], time.sleep
-        monkeypatch.setattr(privact.time, "sleep", waits.append)  # the backoff, without its 31 s
+        waits = []
+
+        class Backoff(threading.Event):  # records the backoff's waits, without their 31 s
+            def wait(self, timeout=None):
+                waits.append(timeout)
+                return self.is_set()
+
+        monkeypatch.setattr(privact, "Event", Backoff)
         args = collect_args(
             data_file,
             run,
@@ -1684,7 +1691,7 @@ def test_judge_through_transformers_serve_equals_the_local_judge_and_resumes_aft
             and sorted(set(waits)) == [1, 2, 4, 8, 16]
         )
         assert [r["case"] for r in read_jsonl(run / "rollouts.rank0.jsonl")] == chunks[0]
-        monkeypatch.setattr(privact.time, "sleep", sleep)
+        monkeypatch.setattr(privact, "Event", threading.Event)
         server = start_transformers_serve(tiny_model, port, log)
         assert run_cli(*args) == 0
         train = [c["name"] for c in privact.load_cases(str(data_file), "train")[:3]]
@@ -1726,6 +1733,31 @@ def recording_server(replies):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return f"http://127.0.0.1:{server.server_address[1]}/v1", seen, server
+
+
+def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
+    """The first chat's 404 ends judge_endpoint with its one-line error; the two chats the server keeps
+    answering 503 were each sent once and are not retried: their threads end within seconds, not after the
+    31 s of backoff (1, 2, 4, 8, 16 s) they would wait for. The same for an interrupt (it also sets `stop`)."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    url, seen, server = recording_server(
+        lambda body: (404, {"error": "no such model"}) if body["messages"][0]["content"] == "0" else (503, {})
+    )
+    before = set(threading.enumerate())
+    cfg = types.SimpleNamespace(judge_url=url, judge_model="judge", model="m", judge_concurrency=3)
+    chats = [[{"role": "user", "content": str(i)}] for i in range(3)]
+    try:
+        with pytest.raises(privact.UsageError, match=r"HTTP 404 .*no such model"):
+            privact.judge_endpoint(
+                cfg, chats, privact.Decoding(max_new_tokens=4, stop="\n\n---"), collections.Counter()
+            )
+        start = time.time()
+        for thread in set(threading.enumerate()) - before:
+            thread.join(timeout=10)
+        assert time.time() - start < 10 and not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        assert sorted(body["messages"][0]["content"] for _, body in seen) == ["0", "1", "2"]
+    finally:
+        server.shutdown()
 
 
 def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_model, monkeypatch, capfd):
