@@ -1513,10 +1513,11 @@ def judge_endpoint(cfg, chats, decoding, stats):
     """generate_batched's stand-in for --judge-url: each chat one POST {url}/chat/completions (post_chat),
     --judge-concurrency in flight so that the server batches them. -> ([[Completion] per chat],
     completion tokens from `usage`). The server applies its own chat template: tokenization (BOS
-    included) is the server's. After a failure, requests not yet sent are dropped."""
+    included) is the server's. After a failure or an interrupt, requests not yet sent are dropped and
+    those waiting to retry end (post_chat's `stop`)."""
     assert decoding.samples == 1 and decoding.stop and not decoding.answer_slot, "a served judge: greedy, stop string"
     url = cfg.judge_url.rstrip("/") + "/chat/completions"
-    stop = Event()  # set when this call ends: requests waiting to retry end then
+    stop = Event()
     post = functools.partial(post_chat, url, cfg.judge_model or cfg.model, decoding, stop)
     completions, n_tokens, start = [], 0, time.time()
     pool = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency)
