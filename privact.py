@@ -1840,11 +1840,13 @@ def write_collect_outputs(cfg, records, pairs, stats, taus):
 
 
 def write_eval_report(cfg, label, records):
-    """report.json of a PrivacyLens eval (privacylens_report), the share of outputs cut, of verdicts cut, provenance."""
+    """report.json of a PrivacyLens eval (privacylens_report), the share of outputs cut, of verdicts cut, the
+    summed counts (tokens, seconds), provenance."""
     roots = [node_from_dict(rec["tree"]) for rec in records]
     samples = [[leaf.judgment for leaf, _ in leaves_with_paths(root)] for root in roots]
     report = privacylens_report([rec["case"] for rec in records], samples, label, cfg)
     report.update(cut_share=cut_share(roots), judge_cut_rate=judge_cut_rate([j for case in samples for j in case]))
+    report["counts"] = record_sums(records)  # where the time went: the policy's and the judge's prefill and decode
     write_report(cfg.out, {**report, **provenance()}, format_table)
     warn_judge_cuts(report["judge_cut_rate"], cfg.judge_max_new_tokens)
 
@@ -2083,7 +2085,6 @@ def collect_summary(records, pairs, stats):
     judgments = [leaf.judgment for root in roots for leaf, _ in leaves_with_paths(root)]
     private = [sample_private(j) for j in judgments if j["valid"]]
     helpfulness = [None if j["helpfulness"] is None else j["helpfulness"] / 3 for j in judgments]
-    counts = {k for rec in records for k, v in rec.items() if isinstance(v, (int, float))}  # tokens and seconds
     summary = {
         "collect/cases": len(records),
         "collect/leaves": len(judgments),
@@ -2097,8 +2098,14 @@ def collect_summary(records, pairs, stats):
     }
     summary.update({f"collect/pairs_{role}": len(p) for role, p in pairs.items()})
     summary.update({f"collect/{k}": v for k, v in stats.items()})
-    summary.update({f"collect/{k}": round(sum(r.get(k, 0) for r in records), 3) for k in sorted(counts)})
+    summary.update({f"collect/{k}": v for k, v in record_sums(records).items()})
     return summary
+
+
+def record_sums(records):
+    """Each count rollout_chunk writes (tokens; policy and judge, prefill and decode seconds), summed over records."""
+    keys = sorted({k for rec in records for k, v in rec.items() if isinstance(v, (int, float))})
+    return {k: round(sum(rec.get(k, 0) for rec in records), 3) for k in keys}
 
 
 def tree_values(records, reward_kw):

@@ -823,6 +823,10 @@ def test_verdicts_cut_at_the_judge_budget_are_counted_and_warned(tmp_path, data_
     report = json.loads((out / "report.json").read_text())
     assert report["judge_cut_rate"] > 0.1 and report["versions"]["torch"] == torch.__version__
     assert 0 <= report["cut_share"] <= 1
+    records, counts = read_jsonl(out / "rollouts.jsonl"), report["counts"]  # summed as collect's summary sums them
+    summed = sum(r["judge_tokens"] for r in records)
+    assert counts["judge_tokens"] > 0 and counts["judge_tokens"] == pytest.approx(summed, abs=1e-3)
+    assert 0 < counts["policy_prefill_seconds"] + counts["policy_decode_seconds"] <= counts["seconds"]
 
 
 def test_ctrl_c_says_one_line_and_the_rerun_resumes(tmp_path, data_file, tiny_model, capsys, monkeypatch):
