@@ -1747,7 +1747,7 @@ def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
     url, seen, server = recording_server(
         lambda body: (404, {"error": "no such model"}) if body["messages"][0]["content"] == "0" else (503, {})
     )
-    before = set(threading.enumerate())
+    before = {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")}
     cfg = types.SimpleNamespace(judge_url=url, judge_model="judge", model="m", judge_concurrency=3)
     chats = [[{"role": "user", "content": str(i)}] for i in range(3)]
     try:
@@ -1755,10 +1755,11 @@ def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
             privact.judge_endpoint(
                 cfg, chats, privact.Decoding(max_new_tokens=4, stop="\n\n---"), collections.Counter()
             )
-        start = time.time()
-        for thread in set(threading.enumerate()) - before:
-            thread.join(timeout=10)
-        assert time.time() - start < 10 and not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        pool = {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")} - before
+        deadline = time.time() + 10
+        while time.time() < deadline and any(t.is_alive() for t in pool):
+            time.sleep(0.05)
+        assert pool and not any(t.is_alive() for t in pool)
         assert sorted(body["messages"][0]["content"] for _, body in seen) == ["0", "1", "2"]
     finally:
         server.shutdown()
