@@ -1741,7 +1741,7 @@ def recording_server(replies):
 
 def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
     """The first chat's 404 ends judge_endpoint with its one-line error; the two chats the server keeps
-    answering 503 were each sent once and are not retried: their threads end within seconds, not after the
+    answering 503 are sent at most once, not retried: their threads end within seconds, not after the
     31 s of backoff (1, 2, 4, 8, 16 s) they would wait for. The same for an interrupt (it also sets `stop`)."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     url, seen, server = recording_server(
@@ -1755,12 +1755,13 @@ def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
             privact.judge_endpoint(
                 cfg, chats, privact.Decoding(max_new_tokens=4, stop="\n\n---"), collections.Counter()
             )
-        pool = {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")} - before
+        pool = {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")} - before  # not yet ended
         deadline = time.time() + 10
         while time.time() < deadline and any(t.is_alive() for t in pool):
             time.sleep(0.05)
-        assert pool and not any(t.is_alive() for t in pool)
-        assert sorted(body["messages"][0]["content"] for _, body in seen) == ["0", "1", "2"]
+        assert not any(t.is_alive() for t in pool)
+        sent = sorted(body["messages"][0]["content"] for _, body in seen)  # a chat not yet sent is dropped
+        assert "0" in sent and len(sent) == len(set(sent))  # none sent twice: no retry
     finally:
         server.shutdown()
 
