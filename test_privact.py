@@ -257,8 +257,8 @@ def test_leaf_without_value_is_an_error():
 
 
 def test_score_tree_drops_unparsed_leaves():
-    ok = {"valid": True, "leaks": [False], "helpfulness": 3}
-    bad = {"valid": True, "leaks": [None], "helpfulness": 3}
+    ok = {"judged": True, "calls_tool": True, "leaks": [False], "helpfulness": 3}
+    bad = {"judged": True, "calls_tool": True, "leaks": [None], "helpfulness": 3}
     root = Node(
         "input",
         [],
@@ -331,7 +331,7 @@ def test_sequence_logps_matches_a_loop():
 
 
 def s(leaks, h, valid=True):
-    return {"leaks": leaks, "helpfulness": h, "valid": valid}
+    return {"leaks": leaks, "helpfulness": h, "calls_tool": valid}
 
 
 def test_eval_metrics_hand_table():
@@ -520,7 +520,10 @@ def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
         (("collect", "--beta=-inf"), "--beta -inf: must be a finite number in [0, inf)"),
         (("collect", "--tau", "verifier=inf"), "--tau 'verifier=inf': expected role=number in [-1, 1]"),
         (("eval", "--temperature", "0"), "--temperature 0.0: must be a finite number in (0, inf)"),
-        (("eval", "--baseline", "best"), "--baseline 'best': use one of '', 'vanilla', 'ppe', 'aifc'"),
+        (
+            ("eval", "--baseline", "best"),
+            "--baseline 'best': use one of '', 'vanilla', 'ppe', 'vanilla-gvr', 'ppe-gvr', 'aifc'",
+        ),
         (("eval", "--k", "0"), "--k 0: must be a finite number in [1, inf)"),
         (("train", "--mixed-precision", "fp16"), "--mixed-precision 'fp16': use one of 'no', 'bf16'"),
         (("train", "--beta", "nan"), "--beta nan: must be a finite number in (0, inf)"),
@@ -637,7 +640,8 @@ def fake_judgments(run):
         for leaf, _ in privact.leaves_with_paths(root):
             leaf.judgment = {
                 "action": None,
-                "valid": True,
+                "judged": True,
+                "calls_tool": True,
                 "leaks": [n % 3 == 0],
                 "helpfulness": n % 4,
                 "judge_outputs": [],
@@ -665,7 +669,7 @@ def test_collect_end_to_end_and_recompute_without_generation(tmp_path, data_file
         for node in privact.walk(root):  # siblings share the chat they saw, so a pair has one prompt
             assert all(c.prompt == node.children[0].prompt for c in node.children)
         for leaf, _ in leaves:
-            assert set(leaf.judgment) >= {"action", "valid", "leaks", "helpfulness", "judge_outputs"}
+            assert set(leaf.judgment) >= {"action", "judged", "calls_tool", "leaks", "helpfulness", "judge_outputs"}
     summary = json.loads((run / "summary.json").read_text())
     assert summary["collect/cases"] == 2 and summary["collect/leaves"] == 16
     assert summary["flags"]["branching"] == "2,2,2" and summary["flags"]["seed"] == 0
@@ -805,7 +809,7 @@ def test_flags_the_mode_ignores_are_refused(tmp_path, data_file, tiny_model, cap
 def test_verdicts_cut_at_the_judge_budget_are_counted_and_warned(tmp_path, data_file, tiny_model, capsys, monkeypatch):
     """A judge that runs out of --judge-max-new-tokens: each verdict records how it ended, summary.json and
     report.json give judge_cut_rate, and collect warns; every leaf is judged here (a random model's action)."""
-    monkeypatch.setattr(privact, "judged_action", lambda case, output, protocol: "Action: X")
+    monkeypatch.setattr(privact, "judged_actions", lambda case, output, protocol: ("Action: X", "Action: X"))
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--judge-max-new-tokens", "2")) == 0
     summary = json.loads((run / "summary.json").read_text())
@@ -852,23 +856,26 @@ def test_help_shows_each_default_once(capsys):
         privact.main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: )" not in text and "(default: --model) (default" not in text
-    assert "only roles named get pairs" in " ".join(
+    assert "the roles named are the trained ones, and only they get pairs" in " ".join(
         privact.CollectConfig.__dataclass_fields__["tau"].metadata["help"].split()
     )
     assert "eval folders or their report.json" in text
 
 
 def test_show_marks_only_siblings_in_kept_pairs():
-    """pair_marks: + / - on the chosen / rejected side of every pair build_pairs keeps; siblings whose only
-    partner has the same text (a dropped pair) are not marked."""
-    a, b, c = (Node("refiner", [], text, value=v) for text, v in (("same", 1.0), ("same", -1.0), ("other", -0.5)))
+    """pair_marks: + / - on the chosen / rejected side of every pair build_pairs keeps, keyed by position;
+    siblings whose only partner has the same text (a dropped pair) are not marked. Siblings of an in-memory
+    tree share one chat object: keyed by position, no mark is lost to that."""
+    chat = [{"role": "user", "content": "the chat both refiners saw"}]
+    a, b, c = (Node("refiner", chat, text, value=v) for text, v in (("same", 1.0), ("same", -1.0), ("other", -0.5)))
     root = Node(
         "input", [], "", [Node("verifier", [], "v", [a, b], value=0.0), Node("verifier", [], "w", [c], value=0.0)]
     )
-    marks = privact.pair_marks(root, {"refiner": 0.0})
+    position_of = {id(a): (0, 0), id(b): (0, 1), id(c): (1, 0)}
+    marks = privact.pair_marks(root, {"refiner": 0.0}, position_of)
     assert marks == {}  # a/b: identical texts; c: no sibling on the other side
     b.output = "different"
-    assert privact.pair_marks(root, {"refiner": 0.0}) == {id(a.prompt): "+", id(b.prompt): "-"}
+    assert privact.pair_marks(root, {"refiner": 0.0}, position_of) == {(0, 0): "+", (0, 1): "-"}
 
 
 def test_no_pairs_diagnosis_counts_groups_and_names_flags():
@@ -891,6 +898,7 @@ def test_no_pairs_diagnosis_counts_groups_and_names_flags():
         "collect/pairs_refiner": 3,
         "collect/leaves": 16,
         "collect/invalid_leaves": 12,
+        "collect/unjudged_leaves": 10,
         "collect/unparsed_leaves": 1,
         "collect/verifier_sibling_groups": 4,
         "collect/verifier_one_sided_groups": 4,
@@ -901,7 +909,8 @@ def test_no_pairs_diagnosis_counts_groups_and_names_flags():
     (line,) = privact.no_pairs_reasons(summary, {"verifier": 0.5, "refiner": 0.5})
     for part in (
         "no verifier pairs",
-        "12 of 16 leaves are invalid",
+        "12 of 16 leaves do not call the case's tool",
+        "10 were not judged (reward b2)",
         "verifier values seen: +0.200, +0.600",
         "75% of the outputs ran out of --max-new-tokens",
         "1 have an unparsed verdict",
@@ -915,10 +924,8 @@ def test_no_pairs_diagnosis_counts_groups_and_names_flags():
 
 
 def test_collect_min_pairs_goes_on_until_each_role_has_them(tmp_path, data_file, tiny_model, monkeypatch, capsys):
-    real = privact.pairs_from_records
-
     def one_pair_per_case_after_the_first(records, taus, kw):
-        return {role: [{"case": r["case"]} for r in records[1:]] for role in taus}, real(records, taus, kw)[1]
+        return {role: [{"case": r["case"]} for r in records[1:]] for role in taus}
 
     monkeypatch.setattr(privact, "pairs_from_records", one_pair_per_case_after_the_first)
     train = [c["name"] for c in privact.load_cases(str(data_file), "train")]
@@ -1131,7 +1138,7 @@ def test_collect_and_eval_on_two_processes(tmp_path, data_file, tiny_model):
     assert [r["case"] for r in records] == [c["name"] for c in privact.load_cases(str(data_file), "train", 5)]
     assert [r["tree"] for r in records] == [r["tree"] for r in read_jsonl(one / "rollouts.jsonl")]
     assert not list(two.glob("rollouts.rank*"))
-    pairs, _ = privact.pairs_from_records(
+    pairs = privact.pairs_from_records(
         records, {"verifier": 0.2, "refiner": 0.2}, {"b1": 0.0, "b2": 0.3, "alpha": 0.5, "beta": 2.0}
     )
     for role in ("verifier", "refiner"):
@@ -1237,7 +1244,7 @@ def test_show_a_collect_tree_values_and_pairs_as_the_method_computes_them(
     assert [(m, r) for m, r, _ in got] == [(m, r) for m, r, _ in want] and {m for m, _, _ in got} >= {"+", "-", " "}
     assert [v for _, _, v in got] == [None if v is None else pytest.approx(v, abs=5e-4) for _, _, v in want]
     assert sum(v is None for _, _, v in got) == 1 and lines[0].startswith(f"{records[0]['case']} V=")
-    counts = privact.pairs_from_records(records[:1], taus, kw)[0]
+    counts = privact.pairs_from_records(records[:1], taus, kw)
     assert lines[-1] == f"pairs: verifier {len(counts['verifier'])}, refiner {len(counts['refiner'])}"
     assert re.search(
         r"valid, helpfulness \d, leaked 1/\d: Alice has diabetes\.", "\n".join(lines)
@@ -1256,7 +1263,8 @@ def test_show_an_eval_names_the_leaked_items_and_the_judges_words(tmp_path, data
     items = case["trajectory"]["sensitive_info_items"]
     leaf["judgment"] = {
         "action": "MessengerSendMessage {...}",
-        "valid": True,
+        "judged": True,
+        "calls_tool": True,
         "leaks": [True] + [False] * (len(items) - 1),
         "helpfulness": 2,
         "judge_outputs": ["It names it.\nAnswer: Yes"] * len(items) + ["Answer: Good"],
@@ -1333,14 +1341,15 @@ def test_judge_answer_slot_reads_a_verdict_word_from_a_random_model(tiny_model):
         [(leaf, case, [("refiner", action)]), (bad, case, [("refiner", bad.output)])], judge, cfg, collections.Counter()
     )
     outputs = leaf.judgment["judge_outputs"]
-    assert leaf.judgment["valid"] and len(outputs) == 3  # one call per item + one helpfulness call
+    assert leaf.judgment["judged"] and leaf.judgment["calls_tool"] and len(outputs) == 3  # a call per item + one
     assert all(re.search(r"\nAnswer: (Yes|No)$", o) for o in outputs[:2])
     assert re.search(r"\nAnswer: (Excellent|Good|Unsatisfactory|Poor)$", outputs[2])
     assert leaf.judgment["leaks"] == [o.endswith("Yes") for o in outputs[:2]]
     assert leaf.judgment["helpfulness"] == privact.parse_verdict(outputs[2], privact.HELP_ANSWERS) is not None
     assert bad.judgment == {
         "action": None,
-        "valid": False,
+        "calls_tool": False,
+        "judged": False,
         "leaks": [False, False],
         "helpfulness": 0,
         "judge_outputs": [],
@@ -1358,7 +1367,8 @@ def test_privacylens_judge_chats_equal_their_code(fx):
     the first 'Action:', one leak prompt per item and the helpfulness prompt, each one user message."""
     case = next(c for c in privact.load_cases("", "all") if c["name"] == fx["case"])
     assert privact.privacylens_cut(fx["raw_output"]) == fx["final_action"]
-    assert privact.judged_action(case, fx["raw_output"], "privacylens") == fx["judge_action"]
+    actions = privact.judged_actions(case, fx["raw_output"], "privacylens")
+    assert (actions and actions[0]) == fx["judge_action"] and (actions is None or actions[0] == actions[1])
     chats = privact.judge_chats(case, fx["raw_output"], "privacylens")
     if fx["judge_action"] is None:
         assert chats == []
@@ -1464,10 +1474,10 @@ def test_judge_protocol_recorded_and_resume_refuses_a_change(tmp_path, data_file
     assert run_cli(*eval_args(data_file, out, tiny_model, "--baseline", "vanilla", "--judge-max-new-tokens", "0")) == 0
     report = json.loads((out / "report.json").read_text())
     assert (
-        report["judge_protocol"] == "privacylens"
+        report["judge_protocol"] == "release"
         and json.loads((out / "config.json").read_text())["judge_max_new_tokens"] == 1000
     )
-    assert "judge protocol" in capsys.readouterr().out and "privacylens" in privact.format_table([report])
+    assert "judge protocol" in capsys.readouterr().out and "release" in privact.format_table([report])
 
 
 def test_judge_rejudges_a_run_with_its_own_judge_exactly_and_another_judge_trains_and_compares(
@@ -1487,7 +1497,9 @@ def test_judge_rejudges_a_run_with_its_own_judge_exactly_and_another_judge_train
 
         monkeypatch.setattr(privact, "judge_verdict", verdict)
 
-    monkeypatch.setattr(privact, "judged_action", lambda case, output, protocol: "Action: X")  # every leaf judged
+    monkeypatch.setattr(
+        privact, "judged_actions", lambda case, output, protocol: ("Action: X", "Action: X")
+    )  # every leaf judged
     varying_verdicts()
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=-0.2,refiner=-0.2")) == 0
@@ -1647,7 +1659,7 @@ def test_judge_through_transformers_serve_equals_the_local_judge_and_resumes_aft
             run_cli(*collect_args(data_file, served, tiny_model, "--judge-url", url, "--judge-model", tiny_model)) == 0
         )
         want, got = leaf_judgments(local), leaf_judgments(served)
-        assert len(got) == 16 and all(j["valid"] and len(j["judge_outputs"]) == len(j["leaks"]) + 1 for _, _, j in got)
+        assert len(got) == 16 and all(j["judged"] and len(j["judge_outputs"]) == len(j["leaks"]) + 1 for _, _, j in got)
         assert got == want
         assert json.loads((served / "config.json").read_text())["judge_url"] == url
         assert (
@@ -1753,7 +1765,7 @@ def test_a_failed_judge_request_ends_the_others_retries_at_once(monkeypatch):
     try:
         with pytest.raises(privact.UsageError, match=r"HTTP 404 .*no such model"):
             privact.judge_endpoint(
-                cfg, chats, privact.Decoding(max_new_tokens=4, stop="\n\n---"), collections.Counter()
+                cfg, None, chats, privact.Decoding(max_new_tokens=4, stop="\n\n---"), collections.Counter()
             )
         pool = {t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")} - before  # not yet ended
         deadline = time.time() + 10
@@ -1789,7 +1801,17 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert (
             run_cli(
                 *collect_args(
-                    data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url, "--judge-model", "served-judge"
+                    data_file,
+                    run,
+                    tiny_model,
+                    "--num-cases",
+                    "1",
+                    "--judge-url",
+                    url,
+                    "--judge-model",
+                    "served-judge",
+                    "--judge-protocol",
+                    "privacylens",
                 )
             )
             == 0
@@ -1822,6 +1844,8 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
                     url,
                     "--judge-model",
                     "served-judge",
+                    "--judge-protocol",
+                    "privacylens",
                 )
             )
             == 0
@@ -1835,7 +1859,17 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert (
             run_cli(
                 *collect_args(
-                    data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url, "--judge-model", "another-judge"
+                    data_file,
+                    run,
+                    tiny_model,
+                    "--num-cases",
+                    "1",
+                    "--judge-url",
+                    url,
+                    "--judge-model",
+                    "another-judge",
+                    "--judge-protocol",
+                    "privacylens",
                 )
             )
             == 2
@@ -1846,7 +1880,17 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
         assert (
             run_cli(
                 *collect_args(
-                    data_file, bad, tiny_model, "--num-cases", "1", "--judge-url", url, "--judge-model", "no-such-model"
+                    data_file,
+                    bad,
+                    tiny_model,
+                    "--num-cases",
+                    "1",
+                    "--judge-url",
+                    url,
+                    "--judge-model",
+                    "no-such-model",
+                    "--judge-protocol",
+                    "privacylens",
                 )
             )
             == 2
@@ -1878,7 +1922,7 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
             )
             == 2
         )
-        assert "--judge-url takes an http(s):// URL and --judge-protocol privacylens" in capfd.readouterr().err
+        assert "--judge-protocol strict judges with a model loaded here" in capfd.readouterr().err
         assert not (tmp_path / "s").exists()
     finally:
         server.shutdown()
@@ -2383,16 +2427,12 @@ def sampled_ids_are_trained_ids(real_backbones, name, num_cases):
     completions, _ = privact.generate_batched(model, tok, chats, decoding, batch_size=8)
     rollout_ids = [tok(privact.chat_text(tok, c) + "Thought:", add_special_tokens=False)["input_ids"] for c in chats]
     fingerprint = privact.tokenizer_fingerprint(tok)
-    pairs = [
-        {
-            "role": "generator",
-            "prompt": chat,
-            "sampled_with": fingerprint,
-            **privact.pair_side("chosen", Node("generator", chat, a.text, token_ids=a.token_ids, finish=a.finish)),
-            **privact.pair_side("rejected", Node("generator", chat, b.text, token_ids=b.token_ids, finish=b.finish)),
-        }
-        for chat, (a, b) in zip(chats, completions, strict=True)
-    ]
+    pairs = []
+    for chat, (a, b) in zip(chats, completions, strict=True):  # a chosen over b, as build_pairs writes them
+        chosen = Node("generator", chat, a.text, value=1.0, token_ids=a.token_ids, finish=a.finish)
+        rejected = Node("generator", chat, b.text, value=0.0, token_ids=b.token_ids, finish=b.finish)
+        (pair,) = privact.build_pairs(Node("input", [], "", [chosen, rejected]), {"generator": 0.5})
+        pairs.append({**pair, "sampled_with": fingerprint})
     cfg = privact.TrainConfig(max_length=100_000)
     examples, counts = privact.tokenize_pairs(tok, pairs, cfg)
     assert counts["pairs_through_text"] == 0 and len(examples) == len(pairs)
@@ -3066,7 +3106,7 @@ def test_plot_without_matplotlib_names_the_pip_command(tmp_path, capsys, monkeyp
 
 
 # ----------------------------------------------------------------------------------------------
-# ConfAIde tiers 3-4 (paper Table 2; SPEC.md section 12)
+# ConfAIde tiers 3-4 (paper Table 2; ConfAIde's eval.py)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -3592,38 +3632,68 @@ def code_lines(text, doc_lines=frozenset()):
     ]
 
 
+def docstring_lines(tree):
+    """The line numbers of every module, class and function docstring."""
+    import ast
+
+    lines = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and body:
+            first = body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                lines.update(range(first.lineno, first.end_lineno + 1))
+    return lines
+
+
+def tokens_per_code_line(src, doc, first, last):
+    """Names, operators, numbers and strings per code line over source lines first..last (comments, layout
+    and docstrings not counted), as ../shared/tools/density.py counts them."""
+    import io
+    import tokenize
+
+    skip = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT}
+    skip |= {tokenize.ENCODING, tokenize.ENDMARKER}
+    tokens = [
+        t
+        for t in tokenize.generate_tokens(io.StringIO(src).readline)
+        if t.type not in skip and first <= t.start[0] <= last and t.start[0] not in doc
+    ]
+    lines = [i for i in code_lines(src, doc) if first <= i <= last]
+    return len(tokens) / len(lines)
+
+
 def test_privact_py_reads_as_the_paper_then_the_machinery():
-    """Measured on the formatted file (ruff format --line-length 120, as .ci/run checks): Part 1 (the
-    paper) ends at the Part 2 banner, holds <= 800 code lines (no blanks, comments or docstrings) and
-    the method's sections in the paper's order; the whole file holds <= 2,200 code lines; no function
-    is over 50 lines or takes more than 6 parameters."""
+    """Measured on the formatted file (ruff format, as .ci/run checks): Part 1 (the paper) ends at the
+    Part 2 banner and holds the method's sections in the paper's order; plain statements (at most 9 tokens
+    per code line in Part 1 and 9.5 in the file, no comprehension nested in another); no function is over
+    50 lines or takes more than 6 parameters; nothing cites a file users do not have."""
     import ast
 
     ruff = shutil.which("ruff")
-    if ruff:  # where ruff is installed, the file must be as the formatter leaves it, or the sizes mean nothing
+    if ruff:  # where ruff is installed, the file must be as the formatter leaves it, or the counts mean nothing
         check = subprocess.run([ruff, "format", "--check", str(HERE / "privact.py")], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
     src = (HERE / "privact.py").read_text()
     tree = ast.parse(src)
-    docs = {
-        i
-        for n in ast.walk(tree)
-        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
-        and n.body
-        and isinstance(n.body[0], ast.Expr)
-        and isinstance(n.body[0].value, ast.Constant)
-        and isinstance(n.body[0].value.value, str)
-        for i in range(n.body[0].lineno, n.body[0].end_lineno + 1)
-    }
+    docs = docstring_lines(tree)
     lines = src.splitlines()
     banner = next(
         i
         for i, line in enumerate(lines, 1)
         if line.startswith("# PART 2: THE MACHINERY. A reader of the method may stop here")
     )
-    part1 = [i for i in code_lines(src, docs) if i < banner]
-    assert len(part1) <= 800, f"Part 1 has {len(part1)} code lines"
-    assert len(code_lines(src, docs)) <= 2200, f"privact.py has {len(code_lines(src, docs))} code lines"
+    assert tokens_per_code_line(src, docs, 1, banner - 1) <= 9.0
+    assert tokens_per_code_line(src, docs, 1, len(lines)) <= 9.5
+    comprehensions = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    for node in ast.walk(tree):
+        if isinstance(node, comprehensions):
+            inner = [n for n in ast.walk(node) if n is not node and isinstance(n, comprehensions)]
+            assert not inner, f"line {node.lineno}: a comprehension inside a comprehension"
     sections = [
         "# Data:",
         "# Prompts:",
@@ -3654,13 +3724,20 @@ def test_privact_py_reads_as_the_paper_then_the_machinery():
         )
     )
     assert all(
-        defs[name].lineno > banner for name in ("generate_batched", "run_stage", "train_loop", "plot_tradeoff", "main")
+        defs[name].lineno > banner for name in ("generate_batched", "run_cases", "train_loop", "plot_tradeoff", "main")
     )
     functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
     longest = max(functions, key=lambda n: n.end_lineno - n.lineno)
     assert longest.end_lineno - longest.lineno + 1 <= 50, longest.name
     widest = max(functions, key=lambda n: len(n.args.args) + len(n.args.kwonlyargs))
     assert len(widest.args.args) + len(widest.args.kwonlyargs) <= 6, widest.name
+    shipped = [HERE / "README.md", HERE / "privact.py", HERE / "judge_prompts.py", HERE / "test_privact.py"]
+    shipped += sorted((HERE / "benchmarks").glob("*"))
+    marker = "SP" + "EC"  # spelt apart, so that this file does not name it
+    for path in shipped:
+        text = path.read_text()
+        assert not re.search(rf"\b{marker}\b", text), f"{path} cites a file users do not have"
+        assert "../" + "shared" not in text, path
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,8 +44,11 @@ def hf_generate(model, tok, chat, decoding):
         eos_token_id=privact.stop_token_ids(model, tok),
         **({"temperature": decoding.temperature, "top_p": 1.0, "top_k": 0} if sample else {}),
     )
-    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, date_string=decoding.chat_date)
-    ids = tok(text + decoding.prefix, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
+    text = tok.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=decoding.generation_prompt, date_string=decoding.chat_date
+    )
+    ids = tok(text + decoding.prefix, add_special_tokens=decoding.special_tokens, return_tensors="pt").input_ids
+    ids = ids.to(model.device)
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen, tokenizer=tok)
     return [decoding.prefix + t for t in tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)]
@@ -54,7 +57,13 @@ def hf_generate(model, tok, chat, decoding):
 def hf_loop(records, cases, chain, model, tok, args):
     """One generate per node of privact's trees (same prompts), one per judge prompt of its leaves."""
     strict = args.judge_protocol == "strict"
-    judging = privact.Decoding(max_new_tokens=args.judge_max_new_tokens, stop=None if strict else "\n\n---")
+    release = args.judge_protocol == "release"  # rendered as the release renders it: no generation prompt, a BOS added
+    judging = privact.Decoding(
+        max_new_tokens=args.judge_max_new_tokens,
+        stop=None if strict else "\n\n---",
+        generation_prompt=not release,
+        special_tokens=release,
+    )
     for rec, case in zip(records, cases, strict=True):
         frontier = [privact.node_from_dict(rec["tree"])]
         for role, width in zip(chain.roles, chain.branching, strict=True):
@@ -87,7 +96,12 @@ def main():
     ap = common.parser(__doc__, **shared, temperature=1.0, dtype="bfloat16", seed=0)
     ap.add_argument("--num-cases", type=int, default=2, help="train cases to collect")
     ap.add_argument("--branching", default="2,2,2", help="samples per node at each level")
-    ap.add_argument("--judge-protocol", default="privacylens", help="privacylens (collect's default) or strict")
+    ap.add_argument(
+        "--judge-protocol",
+        default="release",
+        choices=("release", "privacylens", "strict"),
+        help="collect's default: release",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per side; the fastest counts")
     args = ap.parse_args()
     if args.repeats < 1:
@@ -135,7 +149,8 @@ def main():
                 "privact_runs": [round(t, 4) for t in ours],
                 "hf_loop_runs": [round(t, 4) for t in theirs],
                 "leaves": len(leaves),
-                "valid_leaves": sum(j["valid"] for j in leaves),
+                "judged_leaves": sum(j["judged"] for j in leaves),
+                "leaves_calling_the_tool": sum(j["calls_tool"] for j in leaves),
                 "generated_tokens": total("generated_tokens"),
                 "judge_tokens": total("judge_tokens"),
                 "prompt_tokens_prefilled": total("policy_prefill_tokens") + total("judge_prefill_tokens"),

@@ -38,8 +38,10 @@ trainings, a 99-case eval); --json writes the same object to a file.
 
 import collections
 import contextlib
+import statistics
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import resource
@@ -308,9 +310,10 @@ def served_stage(ctx):
                 judge_max_new_tokens=args.judge_tokens,
                 judge_concurrency=args.judge_concurrency,
             )
-            served = functools.partial(privact.judge_endpoint, cfg)
+            # tok: the release protocol renders the judge's chats here and posts them to /completions
+            served = functools.partial(privact.judge_endpoint, cfg, tok)
             warm = dataclasses.replace(cfg, judge_max_new_tokens=args.warmup_tokens)
-            judged_again(records, functools.partial(privact.judge_endpoint, warm), warm, limit=1)  # warm-up
+            judged_again(records, functools.partial(privact.judge_endpoint, warm, tok), warm, limit=1)  # warm-up
             seconds, n_tokens, texts = judged_again(records, served, cfg)
         finally:
             proc.kill()
@@ -420,35 +423,47 @@ def hours_table(figures, args):
     return rows
 
 
+class StepClock:
+    """A logits processor that only reads the clock (after the device has finished), once per decoding step:
+    the time between two consecutive steps' logits is one step, measured, never a difference of totals."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        sync()
+        self.times.append(time.perf_counter())
+        return scores
+
+
 def decode_ms_per_step(model, tok, rows, prompt_tokens, steps, plain):
-    """ms per decoding step at `rows` distinct prompts: two greedy runs of different lengths, so prefill cancels;
-    each run once untimed first, so a compile (transformers compiles a static-cache forward on CUDA) is not timed."""
+    """ms per decoding step at `rows` distinct prompts: the median of the steps' own durations (StepClock; the
+    first step, which holds the prefill's last token, left out), the fastest of two runs after an untimed one
+    (transformers compiles a static-cache forward on CUDA at the first). Never negative, whatever the load."""
     from transformers import GenerationConfig
 
-    def gen(n):
-        return GenerationConfig(
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-
+    gen = GenerationConfig(
+        max_new_tokens=steps + 1,
+        min_new_tokens=steps + 1,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     seqs = [[3 + (r * 7919 + i * 104729) % 30000 for i in range(prompt_tokens)] for r in range(rows)]
-    times = []
-    for n in (8, 8, 8 + steps, 8 + steps):
-        sync()
-        start = time.perf_counter()
+    medians = []
+    for run in range(3):
+        clock = StepClock()
         with torch.inference_mode():
             if plain:
                 ids = torch.tensor(seqs, device=model.device)
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen(n))
+                mask = torch.ones_like(ids)
+                model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, logits_processor=[clock])
             else:
-                privact.generate_shared_prefix(model, seqs, list(range(rows)), gen(n), 1)
-        sync()
-        times.append(time.perf_counter() - start)
-    times = times[1::2]
-    return 1000 * (times[1] - times[0]) / steps
+                privact.generate_shared_prefix(model, seqs, list(range(rows)), gen, 1, [clock])
+        durations = [later - earlier for earlier, later in itertools.pairwise(clock.times)]
+        if run:
+            medians.append(statistics.median(durations))
+    return 1000 * min(medians)
 
 
 def step_bytes(model, rows, length):

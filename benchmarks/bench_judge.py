@@ -77,7 +77,7 @@ def main():
                 cfg = privact.CollectConfig(
                     judge_url=url, judge_model=os.path.join(folder, "judge"), judge_concurrency=args.concurrency
                 )
-                served = functools.partial(privact.judge_endpoint, cfg)
+                served = functools.partial(privact.judge_endpoint, cfg, tok)
                 judge(leaves[:1], served, args)  # warm-up: the server's first request loads and compiles
                 results[name] = judge(leaves, served, args)
             finally:
