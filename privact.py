@@ -526,10 +526,12 @@ def rollout(cases, chain, models, cfg, stats):
     # the nodes the next level grows from, each with its case and the path of outputs above it
     frontier = [(root, case, []) for root, case in zip(roots, cases, strict=True)]
     n_tokens = 0
-    for level, (role, width) in enumerate(zip(chain.roles, chain.branching, strict=True), 1):
+    levels = zip(chain.roles, chain.branching, strict=True)
+    for level, (role, width) in enumerate(levels, 1):
         model, tok = models[role]
         chats = [build_chat(role, case, path, chain.variant) for _, case, path in frontier]
-        decoding = agent_decoding(cfg, width, action_prefix(role), f"level {level} {role} x{width}")
+        desc = f"level {level} {role} x{width}"
+        decoding = agent_decoding(cfg, width, action_prefix(role), desc)
         completions, generated = generate_batched(model, tok, chats, decoding, cfg.batch_size, stats)
         n_tokens += generated
         next_frontier = []
@@ -537,7 +539,8 @@ def rollout(cases, chain, models, cfg, stats):
             for sample in samples:
                 child = Node(role, chat, sample.text, token_ids=sample.token_ids, finish=sample.finish)
                 parent.children.append(child)
-                next_frontier.append((child, case, [*path, (role, child.output)]))
+                child_path = [*path, (role, child.output)]
+                next_frontier.append((child, case, child_path))
         frontier = next_frontier
     return roots, n_tokens
 
@@ -853,7 +856,8 @@ def rollout_chunk(cases, chain, models, cfg):
     for root, case in zip(roots, cases, strict=True):
         for leaf, path in leaves_with_paths(root):
             leaves.append((leaf, case, path))
-    stats["judge_tokens"] = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, stats)
+    judge = loaded_or_served_judge(models, cfg)
+    stats["judge_tokens"] = judge_leaves(leaves, judge, cfg, stats)
     stats["seconds"] = time.time() - start
     sampled_with = {role: tokenizer_fingerprint(models[role][1]) for role in chain.roles}
     records = []
@@ -1022,8 +1026,10 @@ def dpo_step(model, batch, beta):
     batch_logps (Part 2) computes exactly sequence_logps's sums, on rows that pack the prompt once for
     both responses; test_batch_logps_match_unpadded_sequences holds the two equal."""
     policy_chosen, policy_rejected = batch_logps(model, batch)
-    ref_chosen, ref_rejected = batch["ref_chosen"], batch["ref_rejected"]
-    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    ref_chosen = batch["ref_chosen"]
+    ref_rejected = batch["ref_rejected"]
+    scores = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    losses, chosen_rewards, rejected_rewards = scores
     chosen_tokens = (batch["chosen_ids"] != -100).sum(-1)  # [B]
     rejected_tokens = (batch["rejected_ids"] != -100).sum(-1)  # [B]
     metrics = {
@@ -1254,7 +1260,7 @@ def cmd_collect(cfg):
     names = list(split)
     judge = cfg.judge_model or cfg.model
     flags = generation_flags(cfg, chain, models={"policy": cfg.model, "judge": judge})
-    if asks_for_no_new_cases(cfg, flags):
+    if is_recompute(cfg, flags):
         # a finished run, new reward flags only: its pairs again from the stored judgments, no model
         return recompute_pairs(cfg, names, taus)
     stage = open_stage(cfg, flags, {**dict.fromkeys(roles, cfg.model), "judge": judge})
@@ -1263,7 +1269,8 @@ def cmd_collect(cfg):
         return rollout_chunk([split[name] for name in chunk], chain, models, cfg)
 
     n_cases = min(cfg.num_cases or len(names), len(names))
-    announce(stage, f"collect: {n_cases} of the {len(names)} {cfg.split} cases into {cfg.out}")
+    how_many = f"all {len(names)}" if n_cases == len(names) else f"{n_cases} of the {len(names)}"
+    announce(stage, f"collect: {how_many} {cfg.split} cases into {cfg.out}")
     while True:
         # every process computes its share; the main process gets all the records, the others None
         records = run_cases(stage, names[:n_cases], work)
@@ -1543,24 +1550,27 @@ class PrefixLayout:
 def shared_prefix_rows(seqs, group_of, pad_id):
     """The PrefixLayout of `seqs` (n token lists, members of a group adjacent; group_of: n labels)."""
     starts = [i for i in range(len(seqs)) if i == 0 or group_of[i] != group_of[i - 1]]
-    spans = list(zip(starts, [*starts[1:], len(seqs)], strict=True))
+    ends = [*starts[1:], len(seqs)]
+    spans = list(zip(starts, ends, strict=True))
     prefix_lengths = []
     for first, end in spans:
         members = seqs[first:end]
-        prefix_lengths.append(min(len(os.path.commonprefix(members)), min(map(len, members)) - 1))
+        common = len(os.path.commonprefix(members))
+        # one token short of the shortest member: generate's first step reads each prompt's last token
+        prefix_lengths.append(min(common, min(map(len, members)) - 1))
     rests = []
-    for group, (first, end) in enumerate(spans):
-        rests += [seq[prefix_lengths[group] :] for seq in seqs[first:end]]
-    prefix_width = max(prefix_lengths)
-    rest_width = max(map(len, rests))
+    for (first, end), length in zip(spans, prefix_lengths, strict=True):
+        for seq in seqs[first:end]:
+            rests.append(seq[length:])
     layout = PrefixLayout([], [], spans, prefix_lengths, [len(rest) for rest in rests])
-    for group, (first, end) in enumerate(spans):
-        length = prefix_lengths[group]
-        for seq, rest in zip(seqs[first:end], rests[first:end], strict=True):
-            pads_before = [pad_id] * (prefix_width - length)
-            pads_between = [pad_id] * (rest_width - len(rest))
-            layout.rows.append(pads_before + seq[:length] + pads_between + rest)
-            layout.masks.append([0] * len(pads_before) + [1] * length + [0] * len(pads_between) + [1] * len(rest))
+    prefix_width = max(prefix_lengths)
+    rest_width = max(layout.rest_lengths)
+    for i, seq in enumerate(seqs):
+        length = len(seq) - len(rests[i])
+        before = prefix_width - length
+        between = rest_width - len(rests[i])
+        layout.rows.append([pad_id] * before + seq[:length] + [pad_id] * between + rests[i])
+        layout.masks.append([0] * before + [1] * length + [0] * between + [1] * len(rests[i]))
     return layout
 
 
@@ -1611,15 +1621,16 @@ def copy_prefix_kv(model, cache, prefix, rows, prefix_width, n_rows):
     cache of `n_rows` rows, at the positions prefix_width - p .. prefix_width where the rows hold it."""
     alone = DynamicCache()  # full layers, as the static cache's
     model(input_ids=prefix, cache=alone, use_cache=True, logits_to_keep=1)
-    start = prefix_width - prefix.shape[1]
+    where = slice(prefix_width - prefix.shape[1], prefix_width)
+    members = slice(rows.start, rows.stop)
     for static, layer in zip(cache.layers, alone.layers, strict=True):
         if not static.is_initialized:
             first_keys = layer.keys[:1].expand(n_rows, -1, -1, -1)
             first_values = layer.values[:1].expand(n_rows, -1, -1, -1)
             static.lazy_initialization(first_keys, first_values)
         # static: [n, kv_heads, max_len, head_dim]; alone: [1, kv_heads, p, head_dim]
-        static.keys[rows.start : rows.stop, :, start:prefix_width] = layer.keys
-        static.values[rows.start : rows.stop, :, start:prefix_width] = layer.values
+        static.keys[members, :, where] = layer.keys
+        static.values[members, :, where] = layer.values
         static.cumulative_length.fill_(prefix_width)
 
 
@@ -1731,7 +1742,10 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
     """
     if not chats:
         return [], 0
-    texts = [chat_text(tok, chat, decoding.chat_date, decoding.generation_prompt) + decoding.prefix for chat in chats]
+    texts = []
+    for chat in chats:
+        rendered = chat_text(tok, chat, decoding.chat_date, decoding.generation_prompt)
+        texts.append(rendered + decoding.prefix)
     token_ids = tok(texts, add_special_tokens=decoding.special_tokens)["input_ids"]
     slot, options, extra = answer_slot_tokens(tok, decoding)
     gen = generation_config(model, tok, decoding, extra)
@@ -1741,13 +1755,11 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
     n_tokens = 0
     spent = collections.Counter()
     start = time.time()
-    with tqdm(total=len(chats) * decoding.samples, desc=decoding.desc, unit="seq", leave=False) as bar:
+    total = len(chats) * decoding.samples
+    with tqdm(total=total, desc=decoding.desc, unit="seq", leave=False) as bar:
         for first in range(0, len(order), prompts_per_batch):
             batch = order[first : first + prompts_per_batch]
-            processors = []
-            if slot:
-                row_options = [options[i] for i in batch for _ in range(decoding.samples)]
-                processors.append(AnswerSlot(tok, decoding.max_new_tokens, slot, row_options, gen.eos_token_id))
+            processors = batch_processors(tok, decoding, slot, [options[i] for i in batch] if slot else [], gen)
             seqs = [token_ids[i] for i in batch]
             groups = [group_of[i] for i in batch]
             out, width, n_prefilled, seconds = generate_shared_prefix(
@@ -1760,11 +1772,21 @@ def generate_batched(model, tok, chats, decoding, batch_size, stats=None):
                 results[i] = completions[j * decoding.samples : (j + 1) * decoding.samples]
             n_tokens += sum(len(completion.token_ids) for completion in completions)
             bar.update(len(batch) * decoding.samples)
-            bar.set_postfix(tok_s=f"{n_tokens / (time.time() - start):.1f}")
+            rate = n_tokens / (time.time() - start)
+            bar.set_postfix(tok_s=f"{rate:.1f}")
     if stats is not None:
         for key, value in spent.items():
             stats[f"{decoding.stage}_{key}"] += value
     return results, n_tokens
+
+
+def batch_processors(tok, decoding, slot, options, gen):
+    """One batch's logits processors: for a strict judge (a `slot` to write), AnswerSlot over its rows,
+    each chat's verdict words once per sample."""
+    if not slot:
+        return []
+    row_options = [chat_options for chat_options in options for _ in range(decoding.samples)]
+    return [AnswerSlot(tok, decoding.max_new_tokens, slot, row_options, gen.eos_token_id)]
 
 
 def generation_config(model, tok, decoding, extra_tokens=0):
@@ -2365,22 +2387,30 @@ def run_chunks(out, plan, work, seed, state):
     # every process has planned from the same files before any appends
     state.wait_for_everyone()
     finished = sum(key in plan.done for key in plan.keys)
-    bar = tqdm(total=len(plan.keys), initial=finished, desc="cases", unit="case", disable=not state.is_main_process)
+    quiet = not state.is_main_process
+    bar = tqdm(total=len(plan.keys), initial=finished, desc="cases", unit="case", disable=quiet)
     for first in range(0, len(plan.todo), state.num_processes):
         rows = []
-        if first + state.process_index < len(plan.todo):
-            chunk = plan.todo[first + state.process_index]
+        mine = first + state.process_index
+        if mine < len(plan.todo):
+            chunk = plan.todo[mine]
             torch.manual_seed(seed * 1_000_003 + chunk)
             rows = work([key for key in plan.chunks[chunk] if key not in plan.done])
             append_jsonl(shard, rows)
-        bar.update(int(reduce(torch.tensor(len(rows), device=state.device), "sum")))
+        this_round = reduce(torch.tensor(len(rows), device=state.device), "sum")
+        bar.update(int(this_round))
     bar.close()
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
+    return merge_shards(out, plan.keys)
+
+
+def merge_shards(out, keys):
+    """One rollouts.jsonl in `keys` order from the folder's files, the per-process shards removed -> {key: record}."""
     # a torn line was named when the run was planned; its case is in a shard now
     records = read_rollouts(out, torn="quiet")
-    ordered = [records.pop(key) for key in plan.keys]
+    ordered = [records.pop(key) for key in keys]
     # records of cases beyond these keys (an earlier, longer run) stay in the file after them
     write_atomic(os.path.join(out, "rollouts.jsonl"), jsonl(ordered + list(records.values())))
     for path in glob.glob(os.path.join(out, "rollouts.rank*.jsonl")):
@@ -2395,18 +2425,26 @@ def roles_short_of_pairs(pairs, min_pairs):
     return [role for role, role_pairs in pairs.items() if len(role_pairs) < min_pairs]
 
 
-def asks_for_no_new_cases(cfg, flags):
-    """Whether collect on cfg.out is a recompute: the folder holds a finished run (summary.json) made with
-    these generation flags, and no more cases are asked for (--num-cases and --min-pairs as the run's)."""
+def is_recompute(cfg, flags):
+    """Whether collect on cfg.out only recomputes pairs: the folder holds a finished run (summary.json) made with
+    these generation flags and --num-cases, no more pairs are asked for (--min-pairs at most the run's), and a
+    reward or pair flag (--tau, --b1, --b2, --alpha, --beta, --min-pairs) is new. The same command again is a
+    rerun, which redoes a case a killed write left torn."""
     summary = os.path.join(cfg.out, "summary.json")
     config = os.path.join(cfg.out, "config.json")
     if not os.path.exists(summary) or not os.path.exists(config):
         return False
     old = read_json_file(summary)["flags"]
     recorded = read_json_file(config)
-    same_cases = old.get("num_cases") == cfg.num_cases and old.get("min_pairs") == cfg.min_pairs
     same_generation = all(recorded.get(key) == value for key, value in flags.items())
-    return same_cases and same_generation
+    same_cases = old.get("num_cases") == cfg.num_cases
+    no_more_pairs = cfg.min_pairs <= old.get("min_pairs", 0)
+    changed = [key for key in RECOMPUTE_FLAGS if old.get(key) != getattr(cfg, key)]
+    return same_generation and same_cases and no_more_pairs and bool(changed)
+
+
+# the flags a recompute takes: the reward's and the pairs'
+RECOMPUTE_FLAGS = ("tau", "b1", "b2", "alpha", "beta", "min_pairs")
 
 
 def recompute_pairs(cfg, names, taus):
@@ -2442,7 +2480,8 @@ def write_collect_outputs(cfg, records, pairs, taus):
             os.remove(path)
             print(f"collect: removed {path}: --tau {cfg.tau} trains no {role}", file=sys.stderr)
     reward_kw = reward_flags(cfg)
-    write_atomic(os.path.join(cfg.out, "values.jsonl"), jsonl(tree_values(records, reward_kw)))
+    values = tree_values(records, reward_kw)
+    write_atomic(os.path.join(cfg.out, "values.jsonl"), jsonl(values))
     diagnostics = pair_diagnostics(records, taus, reward_kw)
     summary = collect_summary(records, pairs, diagnostics)
     summary["flags"] = dataclasses.asdict(cfg)
@@ -2914,9 +2953,12 @@ def cut_trajectory(tok, text, prompt, excess):
     slot = re.search(heading + "(.*?)" + next_heading, text, re.S)
     if slot is None:
         return None
-    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     # the slot's whole tokens
-    inside = [i for i, (a, b) in enumerate(offsets) if slot.start(1) <= a and b <= slot.end(1)]
+    inside = []
+    for i, (start, end) in enumerate(encoded["offset_mapping"]):
+        if slot.start(1) <= start and end <= slot.end(1):
+            inside.append(i)
     if len(inside) <= excess:
         return None
     keep = (len(inside) - excess) // 2
@@ -3018,33 +3060,25 @@ def example_length(example):
     return len(example["prompt"]) + len(example["chosen"]) + len(example["rejected"])
 
 
-def length_grouped(indices, examples, size):
-    """`indices` in micro-batches of `size`, within each run of 50 micro-batches the longest together (as
-    transformers' group_by_length groups them), so a micro-batch pads little (12% fewer tokens on the
-    train benchmark)."""
+def in_micro_batches(indices, size):
+    """`indices` cut into micro-batches of `size`, in order (the last may be smaller)."""
     indices = list(indices)
-    batches = []
-    window = 50 * size
-    for start in range(0, len(indices), window):
-        group = sorted(indices[start : start + window], key=lambda i: -example_length(examples[i]))
-        for first in range(0, len(group), size):
-            batches.append(group[first : first + size])
-    return batches
+    return [indices[first : first + size] for first in range(0, len(indices), size)]
 
 
 def epoch_batches(examples, size, seed, epoch):
     """The micro-batches of one epoch, as lists of indices into `examples`: the examples reshuffled from
-    (seed, epoch) alone, as TRL's Trainer reshuffles them every epoch, then length_grouped. All epochs'
-    micro-batches are known before training (add_reference scores each on its own micro-batch), and a
-    resumed run sees the same ones."""
+    (seed, epoch) alone and cut in order, as the release's Trainer (through TRL) reshuffles its pairs every
+    epoch, so every epoch's micro-batches are new. All of them are known before training (add_reference
+    scores each on its own micro-batch), and a resumed run sees the same ones."""
     generator = torch.Generator().manual_seed(seed * 1000 + epoch)
     order = torch.randperm(len(examples), generator=generator).tolist()
-    return length_grouped(order, examples, size)
+    return in_micro_batches(order, size)
 
 
 def eval_batches(examples, size):
     """The held-out pairs' micro-batches, the same at every evaluation."""
-    return length_grouped(range(len(examples)), examples, size)
+    return in_micro_batches(range(len(examples)), size)
 
 
 def micro_batch_loader(run, examples, batches, refs, pad_id):
@@ -3191,9 +3225,13 @@ def train_loop(run, model, tok, data):
     cfg = run.cfg
     accelerator = run.accelerator
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(cfg.role, 4)
-    batches = len(epoch_batches(data["train"], cfg.batch_size, cfg.seed, 0))
-    steps_per_epoch = math.ceil(math.ceil(batches / accelerator.num_processes) / cfg.grad_accum)
-    steps = min(epochs * steps_per_epoch, cfg.max_steps or math.inf)
+    batches = math.ceil(len(data["train"]) / cfg.batch_size)
+    # accelerate gives each process a whole share of the micro-batches
+    per_process = math.ceil(batches / accelerator.num_processes)
+    steps_per_epoch = math.ceil(per_process / cfg.grad_accum)
+    steps = epochs * steps_per_epoch
+    if cfg.max_steps:
+        steps = min(steps, cfg.max_steps)
     warn_without_learning_rate(run, steps)
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
@@ -3211,7 +3249,9 @@ def train_loop(run, model, tok, data):
         accelerator.load_state(os.path.join(run.state_dir, run.progress["dir"]))
         rebuild_cpu_adam_cache(optimizer)
         accelerator.print(f"resuming from step {run.progress['step']} of {steps} ({run.state_dir})")
-    progress = run.progress or {"step": 0, "epoch": 0, "batches": 0, "seen": 0, "seconds": 0.0, "history": []}
+    progress = run.progress
+    if progress is None:
+        progress = {"step": 0, "epoch": 0, "batches": 0, "seen": 0, "seconds": 0.0, "history": []}
     plan = {"steps": steps, "epochs": epochs_used, "pad_id": tok.pad_token_id}
     return model, dpo_train_loop(run, model, optimizer, data, plan, progress)
 
@@ -3586,15 +3626,19 @@ def compare_reports(cfg):
 def format_table(reports):
     """Metrics as rows, configurations as columns: value [95% interval]; then the paper's four metrics
     over valid samples only (valid_only), the sizes and the judge protocol."""
-    width = max(24, *(len(report["label"]) + 2 for report in reports))
-    rows = [("metric", [report["label"] for report in reports])]
+    labels = [report["label"] for report in reports]
+    width = max(24, *(len(label) + 2 for label in labels))
+    rows = [("metric", labels)]
     for key in METRIC_KEYS:
-        rows.append((key, [metric_cell(report, "", key) for report in reports]))
+        cells = [metric_cell(report, "", key) for report in reports]
+        rows.append((key, cells))
     for key in METRIC_KEYS[:4]:
-        rows.append((f"{key} (valid)", [metric_cell(report, "_valid_only", key) for report in reports]))
+        cells = [metric_cell(report, "_valid_only", key) for report in reports]
+        rows.append((f"{key} (valid)", cells))
     sizes = [f"{report['metrics']['num_cases']} x {samples_per_case(report)}" for report in reports]
     rows.append(("cases x samples", sizes))
-    rows.append(("judge protocol", [report.get("judge_protocol", "-") for report in reports]))
+    protocols = [report.get("judge_protocol", "-") for report in reports]
+    rows.append(("judge protocol", protocols))
     lines = []
     for name, cells in rows:
         lines.append(name.ljust(26) + "".join(cell.rjust(width) for cell in cells))
@@ -3674,16 +3718,21 @@ def draw_panel(ax, reports, suffix, panel):
     for report in reports:
         metrics = report["metrics" + suffix]
         intervals = report.get("ci95" + suffix) or {}
-        x, y = metrics[x_key], metrics[y_key]
+        x = metrics[x_key]
+        y = metrics[y_key]
         x_bar = error_bar(x, intervals.get(x_key))
         y_bar = error_bar(y, intervals.get(y_key))
         ax.errorbar(x, y, xerr=x_bar, yerr=y_bar, fmt="o", capsize=4, elinewidth=1.5)
-        zero_width = not has_width(x_bar) and not has_width(y_bar)
-        labels_at[(x, y)].append(report["label"] + (" *" if zero_width else ""))
-    for (x, y), labels in labels_at.items():
-        ax.annotate("\n".join(labels), (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8)
+        label = report["label"]
+        if not has_width(x_bar) and not has_width(y_bar):
+            label += " *"
+        labels_at[(x, y)].append(label)
+    for point, labels in labels_at.items():
+        ax.annotate("\n".join(labels), point, textcoords="offset points", xytext=(6, 6), fontsize=8)
     front = pareto_front(list(labels_at))
-    ax.plot([x for x, _ in front], [y for _, y in front], "--", color="gray", label="Pareto frontier")
+    front_x = [x for x, _ in front]
+    front_y = [y for _, y in front]
+    ax.plot(front_x, front_y, "--", color="gray", label="Pareto frontier")
     ax.set(xlim=(-0.03, 1.03), ylim=(-0.03, 1.03))
     ax.set(xlabel=f"privacy {x_name} (higher = less leakage)", ylabel=f"helpfulness {y_name}")
     ax.legend(loc="lower left", fontsize=8, title="* 95% interval of zero width", title_fontsize=7)
@@ -3824,11 +3873,13 @@ def confaide_chunk(items, model, tok, cfg):
     )
     completions, n_tokens = generate_batched(model, tok, chats, decoding, cfg.batch_size)
     counts = {"generated_tokens": n_tokens, "seconds": time.time() - start}
+    shares = share_counts(counts, len(items))
     records = {}
-    for (key, (tier, index, _)), shared in zip(items.items(), share_counts(counts, len(items)), strict=True):
+    for (key, (tier, index, _)), shared in zip(items.items(), shares, strict=True):
         records[key] = {"case": key, "tier": tier, "index": index, "tasks": {}, **shared}
     for (key, task, prompt), samples in zip(asked, completions, strict=True):
-        records[key]["tasks"][task] = {"prompt": prompt, "samples": [sample.text for sample in samples]}
+        texts = [sample.text for sample in samples]
+        records[key]["tasks"][task] = {"prompt": prompt, "samples": texts}
     return list(records.values())
 
 
@@ -4132,7 +4183,8 @@ def rejudged(cases, records, models, cfg):
         for leaf, path in leaves_with_paths(root):
             leaves.append((leaf, cases[record["case"]], path))
     stats = collections.Counter()
-    stats["judge_tokens"] = judge_leaves(leaves, loaded_or_served_judge(models, cfg), cfg, stats)
+    judge = loaded_or_served_judge(models, cfg)
+    stats["judge_tokens"] = judge_leaves(leaves, judge, cfg, stats)
     shares = share_counts(stats, len(records))
     rejudged_records = []
     for record, root, judge_counts in zip(records, roots, shares, strict=True):
