@@ -1279,10 +1279,9 @@ def cmd_collect(cfg):
         if n_cases == len(names) or not main_process_value(stage, short):
             break
         n_cases = min(n_cases + cfg.chunk_cases, len(names))
-        roles = ", ".join(short)
-        announce(
-            stage, f"collect: fewer than --min-pairs {cfg.min_pairs} pairs for {roles}; going on to {n_cases} cases"
-        )
+        short_roles = ", ".join(short)
+        more = f"going on to {n_cases} cases"
+        announce(stage, f"collect: fewer than --min-pairs {cfg.min_pairs} pairs for {short_roles}; {more}")
     if pairs is not None:
         write_collect_outputs(cfg, records, pairs, taus)
 
@@ -2105,11 +2104,11 @@ def fetch_data(source, flag="--data", **hub_kw):
         ) from None
 
 
-def node_from_dict(d):
+def node_from_dict(saved):
     """A Node from its rollouts.jsonl dict; keys an older run did not write take their defaults."""
     known = {f.name for f in dataclasses.fields(Node)}
-    fields = {key: value for key, value in d.items() if key in known and key != "children"}
-    children = [node_from_dict(child) for child in d["children"]]
+    fields = {key: value for key, value in saved.items() if key in known and key != "children"}
+    children = [node_from_dict(child) for child in saved["children"]]
     return Node(**fields, children=children)
 
 
@@ -2978,16 +2977,17 @@ def collate_pairs(examples, pad_id):
     mask = torch.ones(len(examples), 1, width, width, dtype=torch.bool).tril()
     rows = collections.defaultdict(list)
     for i, example in enumerate(examples):
-        p = len(example["prompt"])
-        c = len(example["chosen"])
-        r = len(example["rejected"])
+        prompt = len(example["prompt"])
+        chosen = len(example["chosen"])
+        rejected = len(example["rejected"])
+        rejected_start = prompt + chosen
         # the rejected tokens do not see the chosen ones, and their positions restart after the prompt
-        mask[i, 0, p + c : p + c + r, p : p + c] = False
+        mask[i, 0, rejected_start : rejected_start + rejected, prompt:rejected_start] = False
         rows["input_ids"].append(example["prompt"] + example["chosen"] + example["rejected"])
-        rows["position_ids"].append([*range(p + c), *range(p, p + r)])
+        rows["position_ids"].append([*range(rejected_start), *range(prompt, prompt + rejected)])
         # position t's prediction scores token t + 1
-        rows["chosen_at"].append([p - 1, *range(p, p + c - 1)])
-        rows["rejected_at"].append([p - 1, *range(p + c, p + c + r - 1)])
+        rows["chosen_at"].append([prompt - 1, *range(prompt, rejected_start - 1)])
+        rows["rejected_at"].append([prompt - 1, *range(rejected_start, rejected_start + rejected - 1)])
         rows["chosen_ids"].append(example["chosen"])
         rows["rejected_ids"].append(example["rejected"])
     padding = {"input_ids": pad_id, "chosen_ids": -100, "rejected_ids": -100}
@@ -3673,10 +3673,10 @@ def load_report(path):
 def pareto_front(points):
     """The points (x, y) that no other point beats on both axes (higher is better on both), by x."""
     front = []
-    for p in set(points):
-        beaten = any(q[0] >= p[0] and q[1] >= p[1] and q != p for q in points)
+    for point in set(points):
+        beaten = any(other[0] >= point[0] and other[1] >= point[1] and other != point for other in points)
         if not beaten:
-            front.append(p)
+            front.append(point)
     return sorted(front)
 
 
@@ -3893,7 +3893,8 @@ def format_confaide_table(reports):
         ("  95% interval", "ci95", lambda value: f"[{value[0]:.0f},{value[1]:.0f}]"),
         ("  worst case", "worst_case", lambda value: f"{value:.0f}"),
     )
-    lines = ["ConfAIde error % (lower is better)".ljust(width) + "".join(c.rjust(len(c) + 2) for c in columns)]
+    header = "".join(column.rjust(len(column) + 2) for column in columns)
+    lines = ["ConfAIde error % (lower is better)".ljust(width) + header]
     for report in reports:
         for name, key, show in rows:
             cells = []
@@ -4202,18 +4203,18 @@ def rejudged(cases, records, models, cfg):
 def add_config_args(parser, cls, defaults=None):
     """One argparse argument per field of a config class (a positional where the field says so)."""
     for f in dataclasses.fields(cls):
-        kw = {key: value for key, value in f.metadata.items() if key not in ("help", "within", "positional")}
-        if "nargs" not in kw and "action" not in kw:
-            kw["type"] = type(f.default)
+        argparse_kw = {key: value for key, value in f.metadata.items() if key not in ("help", "within", "positional")}
+        if "nargs" not in argparse_kw and "action" not in argparse_kw:
+            argparse_kw["type"] = type(f.default)
         if f.metadata.get("positional"):
             names = [f.name]
-            kw["metavar"] = f.name.upper()
+            argparse_kw["metavar"] = f.name.upper()
         else:
             names = ["--" + f.name.replace("_", "-")]
-            kw["dest"] = f.name
-            kw["metavar"] = choices_of(f) or None
+            argparse_kw["dest"] = f.name
+            argparse_kw["metavar"] = choices_of(f) or None
         default = f.default if defaults is None else defaults
-        parser.add_argument(*names, default=default, help=flag_help(f), **kw)
+        parser.add_argument(*names, default=default, help=flag_help(f), **argparse_kw)
 
 
 def flag_help(f):

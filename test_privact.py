@@ -2679,13 +2679,11 @@ def smollm2_refiner_pairs(tmp_path_factory):
     completions, _ = privact.generate_batched(model, tok, chats, decoding, batch_size=16)
     path = tmp_path_factory.mktemp("smollm2_pairs") / "pairs_refiner.jsonl"
     rows = []
-    for n, (chat, (a, b)) in enumerate(zip(chats, completions, strict=True)):
-        sides = {**privact.pair_side("chosen", Node("refiner", chat, a.text, token_ids=a.token_ids, finish=a.finish))}
-        sides.update(
-            privact.pair_side("rejected", Node("refiner", chat, b.text, token_ids=b.token_ids, finish=b.finish))
-        )
-        rows.append({"case": f"case{n}", "role": "refiner", "prompt": chat, **sides})
-        rows[-1]["sampled_with"] = privact.tokenizer_fingerprint(tok)
+    for n, (chat, (a, b)) in enumerate(zip(chats, completions, strict=True)):  # a chosen over b
+        chosen = Node("refiner", chat, a.text, value=1.0, token_ids=a.token_ids, finish=a.finish)
+        rejected = Node("refiner", chat, b.text, value=0.0, token_ids=b.token_ids, finish=b.finish)
+        (pair,) = privact.build_pairs(Node("input", [], "", [chosen, rejected]), {"refiner": 0.5})
+        rows.append({"case": f"case{n}", **pair, "sampled_with": privact.tokenizer_fingerprint(tok)})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -3062,6 +3060,41 @@ def test_smollm2_deepspeed_bf16_starts_at_log2_on_real_pairs(tmp_path, smollm2_r
     assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-3)
 
 
+@pytest.mark.slow  # bf16 on SmolLM2: minutes here, far longer where bf16 is emulated
+def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs, monkeypatch):
+    """bf16 autocast on SmolLM2's real pairs, three epochs of new micro-batches, the weights held still
+    (learning rate 0): every step of every epoch sits within 1e-3 of log 2, since each micro-batch's
+    reference was computed on that very micro-batch."""
+    monkeypatch.setattr(privact, "cosine_lr", lambda step, steps, cfg: 0.0)
+    out = tmp_path / "autocast"
+    args = [*SMOLLM2_STEP[:-4], "--epochs", "3", "--eval-fraction", "0", "--mixed-precision", "bf16"]
+    assert run_cli("train", "--pairs", smollm2_refiner_pairs, "--out", out, *args) == 0
+    history = json.loads((out / "train_metrics.json").read_text())["history"]
+    assert len(history) == 3 * 4 and {row["epoch"] for row in history} == {0, 1, 2}
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
+    examples = list(range(8))
+    partitions = [{frozenset(b) for b in privact.epoch_batches(examples, 2, 0, epoch)} for epoch in range(3)]
+    assert partitions[0] != partitions[1] and partitions[1] != partitions[2]
+
+
+@pytest.mark.slow  # bf16 on SmolLM2: minutes here, far longer where bf16 is emulated
+def test_smollm2_deepspeed_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
+    """The paper's recipe (DeepSpeed ZeRO-2, bf16 weights) for two epochs of new micro-batches at a learning
+    rate too small to move a bf16 weight (1e-30): every step within 1e-3 of log 2."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file"]
+    launch += [str(HERE / "ds_zero2_offload.json"), "--mixed_precision", "bf16", "--num_processes", "1"]
+    launch += ["--main_process_port", "29524", str(HERE / "privact.py")]
+    args = [*SMOLLM2_STEP[:-4], "--epochs", "2", "--eval-fraction", "0", "--lr", "1e-30", "--warmup-ratio", "0"]
+    cmd = [*launch, "train", "--pairs", str(smollm2_refiner_pairs), "--out", str(out), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    history = json.loads((out / "train_metrics.json").read_text())["history"]
+    assert len(history) == 2 * 4 and {row["epoch"] for row in history} == {0, 1}
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
+
+
 def test_train_records_the_precision_it_used_and_a_resume_keeps_it(tmp_path, tiny_model, monkeypatch, capsys):
     """accelerate's launch flag wins over --mixed-precision, and the files say what ran, not the flag; a
     state saved in one precision is not resumed in another (its reference log-probs are of that precision)."""
@@ -3236,6 +3269,28 @@ def test_compare_plot_writes_figure_2(tmp_path, capsys):
         int.from_bytes(header[16:20], "big") == 1200 and int.from_bytes(header[20:24], "big") == 500
     )  # 12 x 5 in at 100 dpi
     assert "ppe" in capsys.readouterr().out
+
+
+def test_plot_shares_on_0_1_axes_one_label_per_point_zero_width_marked(tmp_path, monkeypatch):
+    """Both panels run 0..1 whatever the values (a leak@K of 0 everywhere is a point on the axis, not a
+    range of +-0.04); two reports at the same point share one label; a point whose intervals have no
+    width is marked *, and the legend says what * means."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    a = json.loads(fake_report(tmp_path / "a.json", "a", 0.0, 0.0, 1.0, 1.0).read_text())
+    b = json.loads(fake_report(tmp_path / "b.json", "b", 0.0, 0.0, 1.0, 1.0).read_text())
+    b["ci95"] = {key: [value, value] for key, value in b["metrics"].items() if key in b["ci95"]}
+    c = json.loads(fake_report(tmp_path / "c.json", "c", 0.5, 0.25, 0.4, 0.5).read_text())
+    privact.plot_tradeoff([a, b, c], str(tmp_path / "f.png"))
+    (figure,) = drawn
+    for ax in figure.axes:
+        assert ax.get_xlim() == pytest.approx((-0.03, 1.03)) and ax.get_ylim() == pytest.approx((-0.03, 1.03))
+        labels = sorted(text.get_text() for text in ax.texts)
+        assert labels == ["a\nb *", "c"]
+        assert ax.get_legend().get_title().get_text() == "* 95% interval of zero width"
 
 
 def test_plot_without_matplotlib_names_the_pip_command(tmp_path, capsys, monkeypatch):

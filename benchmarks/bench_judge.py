@@ -8,8 +8,9 @@
 - serve-seq: the same against `transformers serve` without continuous batching (one request at a time).
 
 The leaves are synthetic actions on the first --cases bundled train cases, --leaves per case, half
-of them quoting one of the case's sensitive items, so that both verdicts occur. The judge is
-PrivacyLens's protocol (the only one a server can run), greedy, --judge-max-new-tokens per call,
+of them quoting one of the case's sensitive items, so that both verdicts occur. The judge follows
+collect's default protocol, the release's (through the server: each chat rendered here with the
+judge's tokenizer and posted to /completions), greedy, --judge-max-new-tokens per call,
 float32 on both sides, the same weights (SmolLM2-135M-Instruct saved as a plain folder). Each side
 runs once after an untimed warm-up call; the server's start-up is not timed. It prints seconds per
 case for each, how many verdict texts equal the local judge's, and a JSON line.
