@@ -2015,26 +2015,11 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
             else (404, {"error": f"model {body['model']} not found; you sent {key}"})
         )
     )
+    # PrivacyLens's protocol: the chats go to chat/completions as messages
+    served = ("--num-cases", "1", "--judge-url", url, "--judge-protocol", "privacylens")
     try:
         run = tmp_path / "run"
-        assert (
-            run_cli(
-                *collect_args(
-                    data_file,
-                    run,
-                    tiny_model,
-                    "--num-cases",
-                    "1",
-                    "--judge-url",
-                    url,
-                    "--judge-model",
-                    "served-judge",
-                    "--judge-protocol",
-                    "privacylens",
-                )
-            )
-            == 0
-        )
+        assert run_cli(*collect_args(data_file, run, tiny_model, *served, "--judge-model", "served-judge")) == 0
         headers, body = seen[0]
         judgments = [j for _, _, j in leaf_judgments(run)]
         assert (
@@ -2057,14 +2042,9 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
                     tiny_model,
                     "--baseline",
                     "vanilla",
-                    "--num-cases",
-                    "1",
-                    "--judge-url",
-                    url,
+                    *served,
                     "--judge-model",
                     "served-judge",
-                    "--judge-protocol",
-                    "privacylens",
                 )
             )
             == 0
@@ -2076,44 +2056,12 @@ def test_judge_url_sends_the_key_only_in_its_header(tmp_path, data_file, tiny_mo
             == (config["judge_url"], config["models"]["judge"])
         )
         assert (
-            run_cli(
-                *collect_args(
-                    data_file,
-                    run,
-                    tiny_model,
-                    "--num-cases",
-                    "1",
-                    "--judge-url",
-                    url,
-                    "--judge-model",
-                    "another-judge",
-                    "--judge-protocol",
-                    "privacylens",
-                )
-            )
-            == 2
+            run_cli(*collect_args(data_file, run, tiny_model, *served, "--judge-model", "another-judge")) == 2
         )  # a resume keeps its judge
         printed = list(capfd.readouterr())
         assert "'judge': 'served-judge'" in printed[1]
         bad = tmp_path / "bad"
-        assert (
-            run_cli(
-                *collect_args(
-                    data_file,
-                    bad,
-                    tiny_model,
-                    "--num-cases",
-                    "1",
-                    "--judge-url",
-                    url,
-                    "--judge-model",
-                    "no-such-model",
-                    "--judge-protocol",
-                    "privacylens",
-                )
-            )
-            == 2
-        )
+        assert run_cli(*collect_args(data_file, bad, tiny_model, *served, "--judge-model", "no-such-model")) == 2
         out, err = capfd.readouterr()  # everything both commands printed, from this process and any other
         (line,) = [x for x in err.splitlines() if "error:" in x]
         assert "HTTP 404" in line and "no-such-model" in line and "***" in line
