@@ -160,7 +160,7 @@ class RolloutConfig:
 
     data: str = opt(
         "",
-        "PrivacyLens's main_data.json or its hub id (SALT-NLP/PrivacyLens); with --benchmark confaide, "
+        "PrivacyLens's main_data.json or its hub id (SALT-NLP/PrivacyLens); with eval --benchmark confaide, "
         "a folder of ConfAIde tier files (empty: the copies bundled in data/)",
     )
     split: Literal["train", "test", "all"] = opt(
