@@ -2272,15 +2272,27 @@ def open_stage(cfg, flags, model_paths):
     if served:
         check_judge_url(cfg.judge_url)
     for role, path in model_paths.items():
-        # a served judge is named as the server names it; the release protocol still needs its tokenizer
-        if role == "judge" and served and cfg.judge_protocol != "release":
-            continue
-        check_model_name(path, model_flag(cfg, role, path))
+        if role == "judge" and served:
+            check_served_judge_name(cfg, path)
+        else:
+            check_model_name(path, model_flag(cfg, role, path))
     new_folder = not os.path.isdir(cfg.out)
     if state.is_main_process:
         lock_folder(cfg.out)
     check_run_config(os.path.join(cfg.out, "config.json"), flags)
     return Stage(cfg, flags, model_paths, state, new_folder)
+
+
+def check_served_judge_name(cfg, path):
+    """A served judge is named as the server names it. Under the release protocol its chats are rendered
+    here, with its tokenizer, so that name must also load one (a hub id or a folder)."""
+    if cfg.judge_protocol != "release":
+        return
+    try:
+        check_model_name(path, "--judge-model")
+    except UsageError as e:
+        reason = "with --judge-url, the release protocol renders the judge's chats here, with its tokenizer"
+        raise UsageError(f"{e} ({reason}: name it by its hub id or folder, as the server serves it)") from None
 
 
 def model_flag(cfg, role, path):

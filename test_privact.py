@@ -2259,7 +2259,8 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(tmp_path, da
 
 def test_causes_are_said_in_one_line(tmp_path, data_file, tiny_model, capsys, monkeypatch):
     """An --out that cannot be written, judge RUN --out RUN, a URL that is no URL, strict with --judge-url, a hub
-    id with the hub out of reach, --num-cases 0: one line each, naming the cause and the next step."""
+    id with the hub out of reach, a served release judge named by no tokenizer, --num-cases 0: one line each,
+    naming the cause and the next step."""
     from huggingface_hub import constants
 
     run = tmp_path / "run"
@@ -2268,6 +2269,7 @@ def test_causes_are_said_in_one_line(tmp_path, data_file, tiny_model, capsys, mo
     a_file.write_text("")
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    url, _, server = recording_server(lambda body: (200, {}))  # answers /v1/models
     cases = [
         (collect_args(data_file, a_file / "run", tiny_model), "cannot write there (Not a directory)"),
         (["judge", run, "--out", run], "is the run being judged: give a new folder"),
@@ -2282,6 +2284,10 @@ def test_causes_are_said_in_one_line(tmp_path, data_file, tiny_model, capsys, mo
             "--judge-protocol strict judges with a model loaded here",
         ),
         (collect_args(data_file, tmp_path / "h", "nobody/no-such-model"), "is not reachable"),
+        (
+            collect_args(data_file, tmp_path / "r", tiny_model, "--judge-url", url, "--judge-model", "served-name"),
+            "the release protocol renders the judge's chats here, with its tokenizer",
+        ),
     ]
     capsys.readouterr()
     for args, message in cases:
@@ -2289,6 +2295,7 @@ def test_causes_are_said_in_one_line(tmp_path, data_file, tiny_model, capsys, mo
         assert run_cli(*args) == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1 and time.time() - started < 30, err
+    server.shutdown()
     monkeypatch.setattr(
         privact.os, "open", lambda *a, **k: (_ for _ in ()).throw(PermissionError(13, "Permission denied"))
     )
