@@ -1432,11 +1432,18 @@ def check_hub_reachable(repo_id, flag):
         ) from None
 
 
+def model_source(name_or_path):
+    """(what from_pretrained reads, its keywords): an embedded model's package folder and GGUF file, else
+    the hub id or folder as given."""
+    if name_or_path not in EMBEDDED_MODELS:
+        return name_or_path, {}
+    folder, gguf = embedded_model_folder(name_or_path)
+    return folder, {"gguf_file": gguf}
+
+
 def load_tokenizer(name_or_path):
     """The tokenizer of a short name (smollm2: offline GGUF), a hub id or a local folder, with a chat template."""
-    gguf = {}
-    if name_or_path in EMBEDDED_MODELS:
-        name_or_path, gguf["gguf_file"] = embedded_model_folder(name_or_path)
+    name_or_path, gguf = model_source(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, **gguf)
     except (OSError, ValueError) as e:
@@ -1455,9 +1462,7 @@ def load_model(name_or_path, dtype=torch.float32, device=None, generating=False)
     defaults (min_p, typical_p, no_repeat_ngram_size, ...) reaches generate, which would fill in any
     it is not given. The paper samples at plain temperature."""
     tok = load_tokenizer(name_or_path)
-    gguf = {}
-    if name_or_path in EMBEDDED_MODELS:
-        name_or_path, gguf["gguf_file"] = embedded_model_folder(name_or_path)
+    name_or_path, gguf = model_source(name_or_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **gguf)
     except (OSError, ValueError) as e:
