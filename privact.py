@@ -141,7 +141,11 @@ class SamplingConfig:
         "the model of every role: a short name (smollm2: SmolLM2-135M-Instruct, embedded in a pip package), "
         "a hub id or a local folder",
     )
-    max_new_tokens: int = opt(1000, "the generation budget of each output, in tokens", "[1, inf)")
+    max_new_tokens: int = opt(
+        1000,
+        "the generation budget of each agent output, in tokens (the paper's 1000); a cut output is recorded",
+        "[1, inf)",
+    )
     temperature: float = opt(
         1.0, "the sampling temperature where outputs are sampled (the paper's 1.0; no top-k, no top-p)", "(0, inf)"
     )
@@ -161,7 +165,9 @@ class SamplingConfig:
     chat_date: str = opt(
         CHAT_DATE, "the date every chat template that prints one renders (Llama 3.x), never the clock's"
     )
-    seed: int = opt(0, "the sampling seed; each chunk of cases reseeds from it and its index")
+    seed: int = opt(
+        0, "the sampling seed; each chunk of cases reseeds from it and its index, whatever the number of processes"
+    )
 
 
 @dataclass
@@ -186,18 +192,28 @@ class JudgeFlags:
         "generated: the judge writes its verdict greedily, as the release ran it; forced, for a small judge "
         "(the quick start): 'Answer: ' is written for it and its verdict word drawn at --temperature",
     )
-    judge_max_new_tokens: int = opt(1000, "tokens per generated verdict (the release's 1000)", "[1, inf)")
+    judge_max_new_tokens: int = opt(
+        1000,
+        "tokens per generated verdict (the release's 1000); a verdict cut short reads as no leak and Poor",
+        "[1, inf)",
+    )
 
 
 @dataclass
 class RolloutConfig(SamplingConfig, JudgeFlags):
     """What collect and eval share: the cases, the chain of agents and the judge."""
 
-    data: str = opt("", "PrivacyLens's main_data.json (default: the copy bundled in data/privacylens)")
+    data: str = opt(
+        "", "a PrivacyLens main_data.json: a JSON list of cases (default: the copy bundled in data/privacylens)"
+    )
     split: Literal["train", "test", "all"] = opt(
         "train", "the cases: the release's split (random.seed(42)) holds 394 train and 99 test cases"
     )
-    num_cases: int = opt(0, "the first N cases of the split, 0 for all of them", "[0, inf)")
+    num_cases: int = opt(
+        0,
+        "the first N cases of the split, 0 for all of them; a rerun with more cases adds the missing ones",
+        "[0, inf)",
+    )
     topology: str = opt(
         "generator,verifier,refiner",
         f"the chain of agent roles, comma separated; roles: {', '.join(NEEDS)} (each after those it reads)",
@@ -221,8 +237,16 @@ class RewardConfig:
         "sign, so its b1 = x is --b1 -x",
         "[-1, 1]",
     )
-    b2: float = opt(0.3, "Eq. 1's b2, the no-leak regime's base reward (the release hard-codes 0.45)", "[0, 1]")
-    lcars_alpha: float = opt(0.5, "Eq. 1's alpha, the exponent on the leaked share L", "[0, inf)")
+    b2: float = opt(
+        0.3,
+        "Eq. 1's b2, the reward of an action that leaks nothing and helps nothing (the release hard-codes 0.45)",
+        "[0, 1]",
+    )
+    lcars_alpha: float = opt(
+        0.5,
+        "Eq. 1's alpha, the exponent on the leaked share L of the case's sensitive items (collect's, not DPO's)",
+        "[0, inf)",
+    )
     lcars_beta: float = opt(
         2.0, "Eq. 1's beta, the exponent on the helpfulness H (train's --beta is DPO's)", "[0, inf)"
     )
@@ -230,7 +254,9 @@ class RewardConfig:
 
 @dataclass
 class CollectConfig(RolloutConfig, RewardConfig):
-    out: str = opt("runs/collect", "the run folder: config.json, rollouts/, pairs_<role>.jsonl, summary.json")
+    out: str = opt(
+        "runs/collect", "the run folder: config.json, rollouts/ (one file per chunk), pairs_<role>.jsonl, summary.json"
+    )
     branching: str = opt(
         "4,4,4", "children per node at each level of the chain, comma separated (the paper's B_1,B_2,B_3)"
     )
@@ -238,44 +264,80 @@ class CollectConfig(RolloutConfig, RewardConfig):
 
 @dataclass
 class PairsConfig(RewardConfig):
-    run: str = opt("", "a finished collect folder; its pairs are built again from its judgments", positional=True)
+    run: str = opt(
+        "",
+        "a finished collect folder; its pairs and summary are built again from its stored judgments",
+        positional=True,
+    )
 
 
 @dataclass
 class TrainConfig:
-    pairs: str = opt("", "the pairs_<role>.jsonl that collect wrote (its prompts, chosen and rejected), or a hub id")
-    model: str = opt("smollm2", "the base model to fine-tune: a short name, a hub id or a local folder")
-    out: str = opt("", "the checkpoint folder (default: <the pairs' folder>/<role>)")
-    beta: float = opt(0.4, "DPO's beta (the released config's; collect's --lcars-beta is Eq. 1's)", "(0, inf)")
-    lr: float = opt(5e-7, "the peak learning rate (the released config's 5e-7; the paper's text says 5e-5)", "(0, inf)")
-    batch_size: int = opt(8, "pairs per process in a micro-batch", "[1, inf)")
-    grad_accum: int = opt(4, "micro-batches per optimizer step (8 x 4 = the paper's 32)", "[1, inf)")
-    epochs: int = opt(0, "epochs over the pairs; 0: the paper's per role (verifier 12, refiner 4)", "[0, inf)")
-    max_steps: int = opt(0, "stop after this many optimizer steps (0: no cap)", "[0, inf)")
+    pairs: str = opt(
+        "", "the pairs_<role>.jsonl that collect or pairs wrote: per line a case, role, prompt, chosen and rejected"
+    )
+    model: str = opt(
+        "smollm2", "the base model to fine-tune and the frozen reference: a short name, a hub id or a local folder"
+    )
+    out: str = opt(
+        "",
+        "the checkpoint folder, written whole at the end (default: <the pairs' folder>/<role>); state in <out>.state",
+    )
+    beta: float = opt(
+        0.4, "DPO's beta, the strength of the pull towards the reference (the released config's 0.4)", "(0, inf)"
+    )
+    lr: float = opt(
+        5e-7, "the peak learning rate of AdamW (the released config's 5e-7; the paper's text says 5e-5)", "(0, inf)"
+    )
+    batch_size: int = opt(
+        8,
+        "pairs per process in a micro-batch; lower it (and raise --grad-accum) after an out-of-memory error",
+        "[1, inf)",
+    )
+    grad_accum: int = opt(
+        4, "micro-batches per optimizer step (8 x 4 = the paper's 32); an epoch's last step may take fewer", "[1, inf)"
+    )
+    epochs: int = opt(
+        0, "epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)", "[0, inf)"
+    )
+    max_steps: int = opt(
+        0, "stop after this many optimizer steps, 0 for no cap; the schedule spans the steps that run", "[0, inf)"
+    )
     warmup_ratio: float = opt(
         0.1, "the share of optimizer steps with a linear warmup before the cosine decay (0: none)", "[0, 1]"
     )
     max_grad_norm: float = opt(
         1.0, "the gradient clipping norm, 0 for none; under DeepSpeed it is its gradient_clipping", "[0, inf)"
     )
-    max_length: int = opt(4096, "the most tokens of prompt + response; a longer pair is left out", "[1, inf)")
+    max_length: int = opt(
+        4096, "the most tokens of a prompt and its longer response; a longer pair is left out (and counted)", "[1, inf)"
+    )
     mixed_precision: Literal["", "no", "bf16"] = opt(
         "", "bf16: autocast over float32 weights (default: accelerate launch's --mixed_precision, else no)"
     )
     gradient_checkpointing: bool = opt(
         True, "recompute activations in the backward pass", action=argparse.BooleanOptionalAction
     )
-    save_every: int = opt(50, "optimizer steps between resumable states in <out>.state (0: none)", "[0, inf)")
+    save_every: int = opt(
+        50,
+        "optimizer steps between resumable states in <out>.state, 0 for none; a rerun resumes from the last",
+        "[0, inf)",
+    )
     report_to: str = opt(
         "", "trackers of the training curves, comma separated: tensorboard, wandb, trackio, mlflow, ..."
     )
-    seed: int = opt(0, "the seed of the data order and of anything random in the model")
+    seed: int = opt(0, "the seed of the data order (each epoch's reshuffle too) and of anything random in the model")
 
 
 @dataclass
 class EvalConfig(RolloutConfig):
-    split: Literal["train", "test", "all"] = opt("test", "the cases: test holds the 99 held-out ones")
-    out: str = opt("runs/eval", "the output folder: config.json, rollouts/, report.json")
+    split: Literal["train", "test", "all"] = opt(
+        "test", "the cases: test holds the 99 held-out ones of the release's split (random.seed(42))"
+    )
+    out: str = opt(
+        "runs/eval",
+        "the output folder: config.json, rollouts/ (one file per chunk) and report.json, all samples' judgments",
+    )
     k: int = opt(
         10, "samples per case: branching K,1,1 (the first agent samples, the others decode greedily)", "[1, inf)"
     )
@@ -284,11 +346,19 @@ class EvalConfig(RolloutConfig):
         "a baseline's chain and prompts in place of --topology and --prompt: vanilla and ppe (the generator "
         "alone), vanilla-gvr and ppe-gvr (the release's generator -> verifier -> refiner of --model), aifc",
     )
-    generator: str = opt("", "the generator's model (default: --model)")
-    verifier: str = opt("", "the verifier's model, e.g. a trained checkpoint (default: --model)")
-    refiner: str = opt("", "the refiner's model, e.g. a trained checkpoint (default: --model)")
-    label: str = opt("", "the name in tables (default: the baseline, or the trained roles: V, R, V+R)")
-    bootstrap: int = opt(1000, "bootstrap resamples over cases for the 95% intervals", "[1, inf)")
+    generator: str = opt(
+        "",
+        "the generator's model, e.g. a trained checkpoint folder: one model per role, as the paper (default: --model)",
+    )
+    verifier: str = opt(
+        "", "the verifier's model, e.g. train's checkpoint folder: with --refiner the paper's V+R (default: --model)"
+    )
+    refiner: str = opt(
+        "", "the refiner's model, e.g. train's checkpoint folder: alone the paper's R-only (default: --model)"
+    )
+    label: str = opt(
+        "", "the name in compare's table and Figure 2 (default: the baseline, or the roles given: V, R, V+R, base)"
+    )
 
 
 @dataclass
@@ -297,12 +367,22 @@ class ConfaideConfig(SamplingConfig):
         "",
         "a folder holding tier_3.json and tier_4.json, as data/confaide/convert.py makes them (default: data/confaide)",
     )
-    out: str = opt("runs/confaide", "the output folder: config.json, rollouts/, report.json")
-    max_new_tokens: int = opt(256, "the generation budget of each answer, in tokens", "[1, inf)")
-    tiers: str = opt("3,4", "the tiers to run, comma separated (tier 3: FR, IA, PS; tier 4: MS, AI)")
-    num_cases: int = opt(0, "the first N items of each tier, 0 for all of them", "[0, inf)")
-    samples: int = opt(10, "sampled answers per prompt (ConfAIde's 10)", "[1, inf)")
-    label: str = opt("", "the name in tables (default: the model's folder name)")
+    out: str = opt(
+        "runs/confaide", "the output folder: config.json, rollouts/ (one file per chunk) and report.json, every answer"
+    )
+    max_new_tokens: int = opt(
+        256, "the generation budget of each answer, in tokens (answers are sampled at --temperature)", "[1, inf)"
+    )
+    tiers: str = opt(
+        "3,4", "the tiers to run, comma separated: tier 3's scenarios (FR, IA, PS), tier 4's meetings (MS, AI)"
+    )
+    num_cases: int = opt(
+        0, "the first N items of each tier, 0 for all of them (270 scenarios, 20 meetings)", "[0, inf)"
+    )
+    samples: int = opt(
+        10, "sampled answers per prompt (ConfAIde's 10); an item's error rate is over its samples", "[1, inf)"
+    )
+    label: str = opt("", "the name in compare's table (default: the model's folder name, or its short name or hub id)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -895,8 +975,7 @@ def eval_metrics(cases):
         "helpfulness_avg": sum(scores) / 3 / len(samples),
         "helpfulness_bin": sum(score >= 2 for score in scores) / len(samples),
         "invalid_rate": sum(not sample["calls_tool"] for sample in samples) / len(samples),
-        "num_cases": len(cases),
-        "num_samples": len(samples),
+        "samples": len(samples),
     }
 
 
@@ -999,7 +1078,7 @@ def cmd_collect(cfg):
     # the main process gets every record, the others None
     records = run_rollouts(cfg, cases, chain)
     if records is not None:
-        write_pairs(cfg, records, pairs_from_records(records, taus, cfg), taus)
+        write_pairs(cfg, records, taus)
 
 
 def cmd_pairs(cfg):
@@ -1007,7 +1086,7 @@ def cmd_pairs(cfg):
     config = read_json(os.path.join(cfg.run, "config.json"))
     taus = parse_taus(cfg.tau, parse_topology(config["topology"]))
     records = read_records(cfg.run)
-    write_pairs(cfg, records, pairs_from_records(records, taus, cfg), taus)
+    write_pairs(cfg, records, taus)
 
 
 def cmd_train(cfg):
@@ -1034,7 +1113,7 @@ def cmd_confaide(cfg):
     items = load_confaide(cfg.data, parse_ints(cfg.tiers, "--tiers", allowed=(3, 4)), cfg.num_cases)
     records = run_chunks(cfg, list(items), {"model": cfg.model}, functools.partial(confaide_chunk, cfg, items))
     if records is not None:
-        write_confaide_report(cfg, items, records)
+        write_confaide_report(cfg, records)
 
 
 # ==============================================================================================
@@ -1198,7 +1277,9 @@ def prefix_groups(prompts):
     groups = []
     for i in sorted(range(len(prompts)), key=lambda i: prompts[i]):
         members = [prompts[j] for j in groups[-1]] + [prompts[i]] if groups else []
-        if members and len(os.path.commonprefix(members)) >= max(16, max(map(len, members)) // 2):
+        shared = len(os.path.commonprefix(members)) if members else 0
+        longest = max(map(len, members), default=0)
+        if members and shared >= max(16, longest // 2):
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -1217,7 +1298,8 @@ def prefill(model, prompts, group_of, pad_id, room):
     """
     width = max(map(len, prompts))
     starts = [width - len(prompt) for prompt in prompts]
-    ids = torch.tensor([[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)])
+    rows = [[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)]
+    ids = torch.tensor(rows)
     mask = (torch.arange(width) >= torch.tensor(starts)[:, None]).long()
     cache = StaticCache(config=model.config, max_cache_len=width - 1 + room)
     # full layers for sliding-window ones too (the model's mask still limits them): transformers' sliding
@@ -1257,8 +1339,9 @@ def write_prefix(model, cache, prefix, rows, starts):
             static.lazy_initialization(layer.keys.expand(len(starts), -1, -1, -1), layer.values)
         # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim]
         for row in rows:
-            static.keys[row, :, starts[row] : starts[row] + len(prefix)] = layer.keys[0]
-            static.values[row, :, starts[row] : starts[row] + len(prefix)] = layer.values[0]
+            columns = slice(starts[row], starts[row] + len(prefix))
+            static.keys[row, :, columns] = layer.keys[0]
+            static.values[row, :, columns] = layer.values[0]
 
 
 @torch.inference_mode()
@@ -1270,16 +1353,32 @@ def generate(model, tok, chats, decoding, cfg):
     texts = [chat_text(tok, chat, cfg.chat_date, not decoding.as_release) + decoding.prefix for chat in chats]
     prompts = tok(texts, add_special_tokens=decoding.as_release)["input_ids"]
     samples = decoding.samples
-    gen = generation_config(model, tok, decoding)
+    # the tokenizer's and the model's end tokens stop a completion
+    ends = model.generation_config.eos_token_id
+    if not isinstance(ends, list):
+        ends = [ends]
+    # greedy, or plain temperature sampling: no top-k or top-p (never the model's own defaults)
+    sampling = {"do_sample": False}
+    if decoding.temperature:
+        sampling = {"do_sample": True, "temperature": decoding.temperature, "top_k": 0, "top_p": 1.0}
+    gen = GenerationConfig(
+        max_new_tokens=decoding.max_new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=sorted({tok.eos_token_id, *ends} - {None}),
+        stop_strings=decoding.stop,
+        **sampling,
+    )
     groups = prefix_groups(prompts)
     group_of = {i: n for n, group in enumerate(groups) for i in group}
     order = sorted(group_of, key=group_of.get)
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
-    for first in tqdm(range(0, len(order), per_batch), desc=decoding.desc, unit="batch", leave=False):
+    starts = range(0, len(order), per_batch)
+    for first in tqdm(starts, desc=decoding.desc, unit="batch", leave=False):
         batch = order[first : first + per_batch]
+        batch_prompts = [prompts[i] for i in batch]
         labels = [group_of[i] for i in batch]
-        ids, mask, cache = prefill(model, [prompts[i] for i in batch], labels, tok.pad_token_id, gen.max_new_tokens)
+        ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id, gen.max_new_tokens)
         for layer in cache.layers:  # [n, kv_heads, positions, head_dim] -> [n * B, ...]
             layer.keys = layer.keys.repeat_interleave(samples, 0)
             layer.values = layer.values.repeat_interleave(samples, 0)
@@ -1295,22 +1394,6 @@ def generate(model, tok, chats, decoding, cfg):
         for j, i in enumerate(batch):
             results[i] = completions[j * samples : (j + 1) * samples]
     return results
-
-
-def generation_config(model, tok, decoding):
-    """Greedy, or plain temperature sampling (no top-k or top-p); the tokenizer's and the model's end tokens stop."""
-    ends = model.generation_config.eos_token_id
-    ends = ends if isinstance(ends, list) else [ends]
-    sampling = {"do_sample": False}
-    if decoding.temperature:
-        sampling = {"do_sample": True, "temperature": decoding.temperature, "top_k": 0, "top_p": 1.0}
-    return GenerationConfig(
-        max_new_tokens=decoding.max_new_tokens,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=sorted({tok.eos_token_id, *ends} - {None}),
-        stop_strings=decoding.stop,
-        **sampling,
-    )
 
 
 def completions_of(tok, out, width, decoding, ends, tail=4):
@@ -1374,20 +1457,20 @@ def forced_verdicts(model, tok, chats, words, cfg):
     firsts = [tok(word, add_special_tokens=False)["input_ids"][0] for word in words]
     decoding = Decoding(1, 1, cfg.temperature, "Answer: ", allowed=lambda row, ids: firsts, desc="judge")
     completions = generate(model, tok, chats, decoding, cfg)
-    return [("Answer: " + words[firsts.index(ids[0])], "stop", 1) for ((_, ids, _),) in completions]
+    verdicts = []
+    for ((_, ids, _),) in completions:
+        word = words[firsts.index(ids[0])]
+        verdicts.append((f"Answer: {word}", "stop", 1))
+    return verdicts
 
 
 def check_judge_url(url):
-    """Before anything loads: one GET {url}/models, 10 s: an OpenAI-compatible server answers it."""
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"--judge-url {url}: not an http:// or https:// URL")
+    """Before anything loads: one GET {url}/models, 10 s, which an OpenAI-compatible server answers."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/models", timeout=10) as response:
             json.load(response)
-    except urllib.error.HTTPError as e:
-        raise UsageError(f"--judge-url {url}: not an OpenAI-compatible server (GET /models: HTTP {e.code})") from None
     except (OSError, ValueError) as e:
-        raise UsageError(f"--judge-url {url}: not reachable ({getattr(e, 'reason', e)}); is the server up?") from None
+        raise UsageError(f"--judge-url {url}: no OpenAI-compatible server answers ({first_line(e)})") from None
 
 
 def judge_served(cfg, tok, chats):
@@ -1424,11 +1507,10 @@ def post_completion(cfg, prompt):
         choice = reply["choices"][0]
         finish = "cut" if choice.get("finish_reason") == "length" else "stop"
         return choice["text"].split(JUDGE_STOP)[0], finish, reply["usage"]["completion_tokens"]
-    except urllib.error.HTTPError as e:
-        cause = f"HTTP {e.code}: {e.read().decode(errors='replace')[:200]}"
     except (OSError, ValueError, LookupError, TypeError) as e:
-        cause = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
-    cause = " ".join(cause.split())
+        # an HTTP error's body says why
+        body = e.read().decode(errors="replace")[:200] if isinstance(e, urllib.error.HTTPError) else ""
+        cause = " ".join(f"{first_line(e)} {body}".split())
     if key:
         cause = cause.replace(key, "***")
     raise UsageError(f"--judge-url {url}: {cause}; finished chunks are kept: rerun to resume")
@@ -1473,7 +1555,7 @@ def node_from_dict(saved):
 
 
 # flags a rerun may change: they shape nothing already written
-FREE_FLAGS = ("out", "num_cases", "batch_size", "judge_concurrency", "label", "bootstrap", "versions")
+FREE_FLAGS = ("out", "num_cases", "batch_size", "judge_concurrency", "label", "versions")
 FREE_FLAGS += ("tau", "b1", "b2", "lcars_alpha", "lcars_beta", "save_every", "report_to")
 
 
@@ -1584,9 +1666,10 @@ def write_report(cfg, name, report, table):
 # ----------------------------------------------------------------------------------------------
 
 
-def write_pairs(cfg, records, pairs, taus):
-    """pairs_<role>.jsonl for the roles in --tau (an earlier --tau's others go) and summary.json (the counts and
-    every flag), printed; a role left without pairs is warned of."""
+def write_pairs(cfg, records, taus):
+    """The records' pairs (pairs_from_records) into pairs_<role>.jsonl for the roles in --tau (an earlier --tau's
+    others go), and summary.json (the counts and every flag), printed; a role left without pairs is warned of."""
+    pairs = pairs_from_records(records, taus, cfg)
     run = getattr(cfg, "run", "") or cfg.out
     written = [os.path.join(run, f"pairs_{role}.jsonl") for role in pairs]
     for path, rows in zip(written, pairs.values(), strict=True):
@@ -1601,13 +1684,9 @@ def write_pairs(cfg, records, pairs, taus):
         summary[f"collect/pairs_{role}"] = len(pairs[role])
         if not pairs[role]:
             print(f"warning: no {role} pairs: all {role} siblings' values lie on one side of {tau}", file=sys.stderr)
-    write_report(cfg, "summary.json", summary, summary_table)
-
-
-def summary_table(reports):
-    """summary.json's counts, one per line."""
-    counts = {key: value for key, value in reports[0].items() if key.startswith("collect/")}
-    return json.dumps({**counts, **reports[0]["counts"]}, indent=1)
+    summary.update(counts=read_counts(run), flags=dataclasses.asdict(cfg), **provenance())
+    write_json(os.path.join(run, "summary.json"), summary)
+    print(json.dumps({key: value for key, value in summary.items() if key != "flags"}, indent=1))
 
 
 def judge_cut_rate(judgments):
@@ -1718,14 +1797,10 @@ def micro_batches(run, epoch):
     """This process's share of an epoch's collated micro-batches, the pairs reshuffled from (seed, epoch) alone:
     every epoch's are new, and a resumed run sees the same ones."""
     generator = torch.Generator().manual_seed(run.cfg.seed * 1000 + epoch)
-    order = torch.randperm(len(run.train), generator=generator).tolist()
-    size = run.cfg.batch_size
-    batches = [order[i : i + size] for i in range(0, len(order), size)]
-
-    def collate(one):
-        return collate_pairs([run.train[i] for i in one[0]], run.pad_id)
-
-    loader = torch.utils.data.DataLoader(batches, batch_size=1, collate_fn=collate)
+    collate = functools.partial(collate_pairs, pad_id=run.pad_id)
+    loader = torch.utils.data.DataLoader(
+        run.train, run.cfg.batch_size, shuffle=True, generator=generator, collate_fn=collate
+    )
     return run.accelerator.prepare_data_loader(loader)
 
 
@@ -1744,6 +1819,8 @@ class TrainRun:
     epochs: int = 0
     steps: int = 0
     progress: dict = None
+    # the state a rerun resumes from, the flags it must share, the clock
+    resume: str = None
     flags: dict = None
     started: float = 0.0
 
@@ -1779,16 +1856,13 @@ def start_training(cfg):
     run.epochs = math.ceil(run.steps / steps_per_epoch)
     if not any(cosine_lr(step, run.steps, cfg) for step in range(run.steps)):
         accelerator.print(f"warning: no step of {run.steps} gets a learning rate above 0: use --warmup-ratio 0")
+    # the last whole state <out>.state/step-<k> a killed run saved
+    states = glob.glob(os.path.join(out + ".state", "step-*[0-9]"))
+    run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]), default=None)
     run.progress = {"step": 0, "epoch": 0, "batches": 0, "pairs": 0, "seconds": 0.0, "history": []}
-    if latest_state(run):
-        run.progress = read_json(os.path.join(latest_state(run), "progress.json"))
+    if run.resume:
+        run.progress = read_json(os.path.join(run.resume, "progress.json"))
     return run
-
-
-def latest_state(run):
-    """The last whole state <out>.state/step-<k> a killed run saved, or None."""
-    states = glob.glob(os.path.join(run.out + ".state", "step-*[0-9]"))
-    return max(states, key=lambda path: int(path.rsplit("-", 1)[1]), default=None)
 
 
 def prepare_training(run, policy):
@@ -1813,10 +1887,10 @@ def prepare_training(run, policy):
     accelerator._models.remove(reference)
     precision = f"{weights} weights, mixed precision {accelerator.mixed_precision}"
     run.flags = {**dataclasses.asdict(cfg), "num_processes": accelerator.num_processes, "precision": precision}
-    if latest_state(run):
+    if run.resume:
         advice = f"rerun it unchanged, or remove {run.out}.state"
-        check_config(os.path.join(latest_state(run), "flags.json"), run.flags, advice)
-        accelerator.load_state(latest_state(run))
+        check_config(os.path.join(run.resume, "flags.json"), run.flags, advice)
+        accelerator.load_state(run.resume)
         accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
     accelerator.init_trackers(f"privact-{run.role}", config=dataclasses.asdict(cfg))
     run.started = time.time() - run.progress["seconds"]
@@ -1838,7 +1912,8 @@ def log_step(run, window, epoch):
     the trackers and stdout."""
     progress = run.progress
     progress["seconds"] = time.time() - run.started
-    row = {"step": progress["step"], "epoch": epoch, "train/lr": cosine_lr(progress["step"] - 1, run.steps, run.cfg)}
+    row = {"step": progress["step"], "epoch": epoch}
+    row["train/lr"] = cosine_lr(progress["step"] - 1, run.steps, run.cfg)
     for key in window[-1]:
         values = [metrics[key] for metrics in window if key in metrics]
         row[f"train/{key}"] = sum(values) / len(values)
@@ -1900,7 +1975,8 @@ def eval_chain(cfg):
     if set(given) - set(roles) or cfg.baseline and given:
         raise UsageError(f"--{given[0]}: the chain {','.join(roles)} runs --model there")
     chain = Chain(roles, [cfg.k] + [1] * (len(roles) - 1), variant)
-    return chain, cfg.label or cfg.baseline or "+".join(role[0].upper() for role in given) or "base"
+    trained = "+".join(role[0].upper() for role in given)
+    return chain, cfg.label or cfg.baseline or trained or "base"
 
 
 def write_eval_report(cfg, label, records):
@@ -1911,32 +1987,32 @@ def write_eval_report(cfg, label, records):
         samples.append([leaf.judgment for leaf, _ in leaves_with_paths(record["tree"])])
     valid = valid_only(samples)
     report = {"benchmark": "privacylens", "label": label, "metrics": eval_metrics(samples)}
-    report["ci95"] = bootstrap_ci(samples, cfg.bootstrap, cfg.seed)
+    report["ci95"] = bootstrap_ci(samples, seed=cfg.seed)
     report["metrics_valid_only"] = eval_metrics(valid) if valid else None
-    report["ci95_valid_only"] = bootstrap_ci(valid, cfg.bootstrap, cfg.seed) if valid else None
+    report["ci95_valid_only"] = bootstrap_ci(valid, seed=cfg.seed) if valid else None
     report["judge_cut_rate"] = judge_cut_rate(sum(samples, []))
-    report["cases"] = [{"case": record["case"], "samples": case} for record, case in zip(records, samples, strict=True)]
+    report["cases"] = []
+    for record, case in zip(records, samples, strict=True):
+        report["cases"].append({"case": record["case"], "samples": case})
     write_report(cfg, "report.json", report, format_table)
 
 
 def format_table(reports):
-    """Metrics as rows, configurations as columns: value [95% interval] over all samples, then the paper's four
-    metrics over valid samples only (valid_only); '-' where there are none."""
+    """Metrics as rows, reports as columns: value [95% interval], an eval's also over valid samples (valid_only)."""
     rows = [("metric", [report["label"] for report in reports])]
-    for samples, keys in (("", METRIC_KEYS), ("_valid_only", METRIC_KEYS[:4])):
-        for key in keys:
+    for samples in ("", "_valid_only"):
+        for key in reports[0].get("metrics" + samples) or {}:
             cells = []
             for report in reports:
-                value = (report["metrics" + samples] or {}).get(key)
-                low, high = (report["ci95" + samples] or {}).get(key, (0, 0))
-                cells.append("-" if value is None else f"{value:.3f} [{low:.2f},{high:.2f}]")
+                value = (report.get("metrics" + samples) or {}).get(key)
+                interval = (report.get("ci95" + samples) or {}).get(key)
+                if value is None:
+                    cells.append("-")
+                elif interval:
+                    cells.append(f"{value:.3g} [{interval[0]:.2f},{interval[1]:.2f}]")
+                else:
+                    cells.append(f"{value:.3g}")
             rows.append((key + samples.replace("_valid_only", " (valid)"), cells))
-    rows.append(("cases x samples", [f"{r['metrics']['num_cases']} x {r['flags']['k']}" for r in reports]))
-    return table(rows)
-
-
-def table(rows):
-    """(name, cells) rows as text: the names, then one right-aligned column per report."""
     width = max(len(cell) for _, cells in rows for cell in cells) + 2
     lines = []
     for name, cells in rows:
@@ -1947,21 +2023,23 @@ def table(rows):
 @dataclass
 class CompareConfig:
     reports: tuple = opt((), "eval or confaide folders (or their report.json)", positional=True, nargs="+")
-    plot: str = opt("", "also draw the paper's Figure 2 of the eval reports into this PNG (needs matplotlib)")
-    plot_samples: Literal["valid", "all"] = opt("valid", "plot the metrics over valid samples (the paper's) or all")
+    plot: str = opt(
+        "",
+        "also draw the paper's Figure 2 into this PNG: the eval reports' metrics over valid samples, as the paper "
+        "plots them (needs matplotlib)",
+    )
 
 
 def cmd_compare(cfg):
-    """Print eval and confaide reports side by side; --plot draws the paper's Figure 2 of the eval reports."""
-    reports = [read_json(os.path.join(path, "report.json") if os.path.isdir(path) else path) for path in cfg.reports]
-    evals = [report for report in reports if report.get("benchmark") == "privacylens"]
-    confaide = [report for report in reports if report.get("benchmark") == "confaide"]
-    if evals:
-        print(format_table(evals))
-    if confaide:
-        print(format_confaide_table(confaide))
+    """Print eval (or confaide) reports side by side; --plot draws the paper's Figure 2 of the eval reports."""
+    reports = []
+    for path in cfg.reports:
+        if os.path.isdir(path):
+            path = os.path.join(path, "report.json")
+        reports.append(read_json(path))
+    print(format_table(reports))
     if cfg.plot:
-        plot_tradeoff(evals, cfg.plot, "_valid_only" if cfg.plot_samples == "valid" else "")
+        plot_tradeoff(reports, cfg.plot)
 
 
 def pareto_front(points):
@@ -1973,18 +2051,18 @@ def pareto_front(points):
     return sorted(front)
 
 
-def plot_tradeoff(reports, path, samples):
-    """The paper's Figure 2: privacy (x) against helpfulness (y) on 0-1 axes, Avg/Avg and leak@K/Bin, one labelled
-    point per report and the Pareto frontier, dashed."""
+def plot_tradeoff(reports, path):
+    """The paper's Figure 2: privacy (x) against helpfulness (y) over valid samples on 0-1 axes, Avg/Avg and
+    leak@K/Bin, one labelled point per eval report and the Pareto frontier, dashed."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
-    reports = [report for report in reports if report["metrics" + samples]]
+    reports = [report for report in reports if report.get("metrics_valid_only")]
     figure = Figure(figsize=(12, 5), layout="tight")
     panels = (("privacy_avg", "helpfulness_avg"), ("privacy_leak_at_k", "helpfulness_bin"))
     for ax, (x_key, y_key) in zip(figure.subplots(1, 2), panels, strict=True):
-        points = [(report["metrics" + samples][x_key], report["metrics" + samples][y_key]) for report in reports]
+        points = [(report["metrics_valid_only"][x_key], report["metrics_valid_only"][y_key]) for report in reports]
         for report, point in zip(reports, points, strict=True):
             ax.plot(*point, "o")
             ax.annotate(report["label"], point, textcoords="offset points", xytext=(6, 6), fontsize=8)
@@ -2016,42 +2094,37 @@ def load_confaide(source, tiers, num_cases):
 
 def confaide_chunk(cfg, items, models, keys):
     """--samples sampled answers to every task prompt of a chunk of items, in batched generate calls (a prompt's
-    samples share its prefill, a scenario's three prompts the story's) -> (records, counts)."""
+    samples share its prefill, a scenario's three prompts the story's), each answer with its error flags ->
+    (records: per item its tasks {tier, index, task, prompt, samples: [{text, errors}]}, counts)."""
     start = time.perf_counter()
     model, tok = models["model"]
     asked = []
     for key in keys:
-        tier, _, item = items[key]
-        asked += [(key, task, text) for task, text in confaide_prompts(tier, item).items()]
-    chats = [[{"role": "user", "content": text}] for _, _, text in asked]
+        tier, index, item = items[key]
+        for task, text in confaide_prompts(tier, item).items():
+            asked.append((key, {"tier": tier, "index": index, "task": task, "prompt": text}))
+    chats = [[{"role": "user", "content": task["prompt"]}] for _, task in asked]
     decoding = Decoding(cfg.samples, cfg.max_new_tokens, cfg.temperature, desc="confaide")
-    records = {key: {"case": key, "tasks": {}} for key in keys}
+    answers = generate(model, tok, chats, decoding, cfg)
+    records = {key: {"case": key, "tasks": []} for key in keys}
     tokens = 0
-    for (key, task, text), samples in zip(asked, generate(model, tok, chats, decoding, cfg), strict=True):
-        records[key]["tasks"][task] = {"prompt": text, "samples": [sample.text for sample in samples]}
-        tokens += sum(len(sample.token_ids) for sample in samples)
-    return list(records.values()), {"policy_seconds": time.perf_counter() - start, "policy_tokens": tokens}
+    for (key, task), samples in zip(asked, answers, strict=True):
+        item = items[key][2]
+        task["samples"] = []
+        for sample in samples:
+            task["samples"].append({"text": sample.text, "errors": confaide_errors(task["task"], item, sample.text)})
+            tokens += len(sample.token_ids)
+        records[key]["tasks"].append(task)
+    seconds = time.perf_counter() - start
+    return list(records.values()), {"policy_seconds": seconds, "policy_tokens": tokens}
 
 
-def write_confaide_report(cfg, items, records):
-    """report.json: Table 2's error % per column with its 95% interval, every answer and its error flags."""
-    cases = []
-    for record in records:
-        tier, index, item = items[record["case"]]
-        for task, asked in record["tasks"].items():
-            samples = [{"text": text, "errors": confaide_errors(task, item, text)} for text in asked["samples"]]
-            cases.append({"tier": tier, "index": index, "task": task, "prompt": asked["prompt"], "samples": samples})
+def write_confaide_report(cfg, records):
+    """report.json: Table 2's error % per column, every answer and its error flags."""
+    cases = [task for record in records for task in record["tasks"]]
     label = cfg.label or os.path.basename(cfg.model.rstrip("/"))
     report = {"benchmark": "confaide", "label": label, "metrics": confaide_metrics(cases), "cases": cases}
-    write_report(cfg, "report.json", report, format_confaide_table)
-
-
-def format_confaide_table(reports):
-    """Table 2 turned: one row per ConfAIde column, each model's mean error %."""
-    rows = [("ConfAIde error %", [report["label"] for report in reports])]
-    for column in reports[0]["metrics"]:
-        rows.append((column, [f"{report['metrics'][column]:.1f}" for report in reports]))
-    return table(rows)
+    write_report(cfg, "report.json", report, format_table)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2064,7 +2137,6 @@ class ShowConfig:
     run: str = opt("", "a collect folder (its trees, values, pairs) or an eval folder", positional=True)
     case: str = opt("", "the case's name, e.g. main12 (default: the run's first)")
     limit: int = opt(0, "children per node shown; 0: all", "[0, inf)")
-    full: bool = opt(False, "every output in full (default: its first line)", action=argparse.BooleanOptionalAction)
 
 
 def cmd_show(cfg):
@@ -2080,11 +2152,10 @@ def cmd_show(cfg):
         flags = read_json(summary)["flags"] if os.path.exists(summary) else config
         reward = RewardConfig(**{f.name: flags[f.name] for f in dataclasses.fields(RewardConfig)})
         taus = parse_taus(reward.tau, parse_topology(config["topology"]))
-        pairs = pairs_from_records([records[name]], taus, reward)
+        pairs_from_records([records[name]], taus, reward)
         for _, chosen, rejected in sibling_pairs(records[name]["tree"], taus):
             marks.update({id(chosen): "+", id(rejected): "-"})
-        counts = {role: len(role_pairs) for role, role_pairs in pairs.items()}
-        print(f"{name}: b1={reward.b1}, b2={reward.b2}, tau {reward.tau}, pairs {counts}")
+        print(f"{name}: b1={reward.b1}, b2={reward.b2}, tau {reward.tau}; + / - the chosen / rejected of each pair")
     case = {case["name"]: case for case in load_cases(config["data"], "all")}[name]
     show_tree(records[name]["tree"], case["trajectory"]["sensitive_info_items"], marks, cfg)
 
@@ -2095,7 +2166,7 @@ def show_tree(node, items, marks, cfg, indent=""):
     own words)."""
     for child in node.children[: cfg.limit or None]:
         value = "" if child.value is None else f"V={child.value:+.3f}  "
-        text = child.output.strip() if cfg.full else child.output.strip().split("\n")[0][:60]
+        text = child.output.strip().split("\n")[0][:60]
         print(f"{indent}{marks.get(id(child), ' ')} {child.role:<9} {value}{text}")
         show_tree(child, items, marks, cfg, indent + "  ")
         if child.judgment:
@@ -2135,7 +2206,7 @@ def cmd_judge(cfg):
         write_eval_report(new, eval_chain(new)[1], rejudged)
     elif rejudged is not None:
         taus = parse_taus(new.tau, parse_topology(new.topology))
-        write_pairs(new, rejudged, pairs_from_records(rejudged, taus, new), taus)
+        write_pairs(new, rejudged, taus)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2149,7 +2220,8 @@ def parse_taus(text, roles):
     for part in filter(None, text.replace(" ", "").split(",")):
         role, _, value = part.partition("=")
         taus[role] = float(value) if re.fullmatch(r"-?[0-9.]+(e-?[0-9]+)?", value) else math.nan
-    if not set(taus) <= set(roles) or not all(-1 <= tau <= 1 for tau in taus.values()):
+    in_range = all(-1 <= tau <= 1 for tau in taus.values())  # also false for NaN
+    if not set(taus) <= set(roles) or not in_range:
         raise UsageError(f"--tau {text!r}: expected role=number in [-1, 1] for roles of the chain {','.join(roles)}")
     return taus
 
@@ -2214,10 +2286,11 @@ def build_parser():
                 kw["type"] = bounded(type(f.default), f.metadata["bounds"])
             shown = "" if f.default in ("", ()) else " (default: %(default)s)"
             text = f.metadata["help"].replace("%", "%%") + shown
+            flag = "--" + f.name.replace("_", "-")
             if f.metadata.get("positional"):
                 sub.add_argument(f.name, help=text, **kw)
             else:
-                sub.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, help=text, **kw)
+                sub.add_argument(flag, dest=f.name, default=f.default, help=text, **kw)
     return parser
 
 

@@ -212,8 +212,6 @@ def eval_args(data_file, out, tiny_model, *extra):
         "6",
         "--dtype",
         "float32",
-        "--bootstrap",
-        "200",
         *extra,
     ]
 
@@ -1593,7 +1591,7 @@ def test_a_served_judges_key_goes_in_its_header_only(tmp_path, data_file, tiny_m
         assert run_cli(*collect_args(data_file, tmp_path / "bad", tiny_model, *served, tmp_path / "other")) == 2
         out, err = capfd.readouterr()
         (line,) = [x for x in err.splitlines() if "error:" in x]
-        assert "HTTP 404" in line and "***" in line and f"--judge-url {url}/completions" in line
+        assert "HTTP Error 404" in line and "***" in line and f"--judge-url {url}/completions" in line
         files = [f.read_bytes().decode(errors="replace") for f in tmp_path.rglob("*") if f.is_file()]
         assert all(key not in where for where in (out, err, *files))
     finally:
@@ -1608,7 +1606,7 @@ def test_a_failed_judge_request_ends_the_command_and_sends_no_more(monkeypatch):
     cfg = privact.CollectConfig(judge_url=url, judge_model="judge", judge_concurrency=1)
     chats = [[{"role": "user", "content": str(i)}] for i in range(5)]
     try:
-        with pytest.raises(privact.UsageError, match=r"HTTP 404: .*no such model.*rerun to resume"):
+        with pytest.raises(privact.UsageError, match=r"HTTP Error 404: .*no such model.*rerun to resume"):
             privact.judge_served(cfg, _tiny_tok(), chats)
     finally:
         server.shutdown()
@@ -1704,9 +1702,9 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
     cases = [
         (["--model", "smolm2"], "model 'smolm2': cannot load its tokenizer"),
         (["--model", str(tmp_path / "no" / "such")], "cannot load its tokenizer"),
-        (["--judge-url", f"http://127.0.0.1:{free_port()}/v1"], "not reachable"),
-        (["--judge-url", url], "not an OpenAI-compatible server (GET /models: HTTP 501)"),
-        (["--judge-url", "localhost:8000"], "not an http:// or https:// URL"),
+        (["--judge-url", f"http://127.0.0.1:{free_port()}/v1"], "no OpenAI-compatible server answers (<urlopen error"),
+        (["--judge-url", url], "no OpenAI-compatible server answers (HTTP Error 501"),
+        (["--judge-url", "localhost:8000"], "no OpenAI-compatible server answers (unknown url type"),
     ]
     try:
         for extra, message in cases:
@@ -1976,7 +1974,9 @@ def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tm
     write_pairs(pairs, "verifier", 9)
     batches = []
     real = privact.collate_pairs
-    monkeypatch.setattr(privact, "collate_pairs", lambda examples, pad: batches.append(examples) or real(examples, pad))
+    monkeypatch.setattr(
+        privact, "collate_pairs", lambda examples, pad_id: batches.append(examples) or real(examples, pad_id)
+    )
     for run in ("a", "b"):
         assert run_cli(*train_args(pairs, tmp_path / run, tiny_model, "--epochs", "3")) == 0
     epochs = [batches[i : i + 5] for i in range(0, 15, 5)]  # 9 pairs in micro-batches of 2: 5 per epoch
@@ -2512,8 +2512,8 @@ def test_show_a_collect_tree_as_the_method_scores_it(tmp_path, data_file, tiny_m
     shown = [re.match(r"\s*([+\- ]) (\w+)\s+V=([+-]\d\.\d{3})", line) for line in lines[1:]]
     got = [(m.group(1), m.group(2), float(m.group(3))) for m in shown if m]
     assert got == want and {m for m, _, _ in got} >= {"+", "-", " "}
-    assert lines[0].startswith(f"{records[0]['case']}: b1=0.0, b2=0.2, tau verifier=0.2,refiner=0.4, pairs ")
-    assert f"'refiner': {len(pairs['refiner'])}" in lines[0]
+    assert lines[0].startswith(f"{records[0]['case']}: b1=0.0, b2=0.2, tau verifier=0.2,refiner=0.4;")
+    assert pairs["refiner"] and pairs["verifier"]
     assert re.search(r", helpfulness \d, leaks \['Alice has diabetes\.'", "\n".join(lines))
     assert run_cli("show", run, "--limit", "1", "--case", records[1]["case"]) == 0
     assert capsys.readouterr().out.count("... 1 more") == 1 + 1 + 1  # one per level
@@ -2530,7 +2530,7 @@ def test_show_an_eval_names_the_leaked_items(tmp_path, data_file, tiny_model, ca
     assert run_cli(*eval_args(data_file, out, tiny_model, "--baseline", "vanilla")) == 0
     record = privact.read_records(out)[1]
     capsys.readouterr()
-    assert run_cli("show", out, "--case", record["case"], "--full") == 0
+    assert run_cli("show", out, "--case", record["case"]) == 0
     text = capsys.readouterr().out
     assert text.count("generator ") == 3 and "V=" not in text and text.count("helpfulness") == 3
 
@@ -2650,7 +2650,7 @@ def test_readme_quick_start_runs_verbatim(tmp_path):
         assert any(not torch.equal(trained[key], base[key]) for key in trained), f"the {role} step changed no weight"
     table = proc.stdout[proc.stdout.index("metric") :]
     assert "V+R" in table.splitlines()[0] and "privacy_avg (valid)" in table
-    assert re.search(r"pairs \{'verifier': \d+, 'refiner': \d+\}", proc.stdout)  # show's header
+    assert re.search(r"^\s+[+-] (verifier|refiner) ", proc.stdout, re.M)  # show's tree, its pairs marked
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tok = AutoModelForCausalLM.from_pretrained(run / "refiner"), AutoTokenizer.from_pretrained(run / "refiner")
