@@ -158,9 +158,7 @@ class SamplingConfig:
         "[1, inf)",
     )
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt(
-        "auto",
-        "the weights' precision in generation; auto: the paper's bfloat16 where the hardware computes in it (a "
-        "GPU, a CPU with AMX or AVX-512 BF16), else float32",
+        "auto", "the weights' precision in generation; auto: the paper's bfloat16 on a GPU, float32 on a CPU"
     )
     chat_date: str = opt(
         CHAT_DATE, "the date every chat template that prints one renders (Llama 3.x), never the clock's"
@@ -413,15 +411,19 @@ def check_case(case, index, path):
 def split_indices(n, split):
     """The released split: 0..n-1 shuffled as random.seed(42); random.shuffle does; the first int(0.8 n) train."""
     order = list(range(n))
+    if split == "all":
+        return order
     random.Random(42).shuffle(order)
     cut = int(n * 0.8)
-    return {"train": order[:cut], "test": order[cut:], "all": list(range(n))}[split]
+    if split == "train":
+        return order[:cut]
+    return order[cut:]
 
 
 def load_cases(source, split="train", num_cases=0):
-    """The cases of `split` from a PrivacyLens file or hub id, each checked; the first `num_cases` (0: all)."""
+    """The cases of `split` from a PrivacyLens file or hub dataset, each checked; the first `num_cases` (0: all)."""
     path = source or os.path.join(HERE, "data", "privacylens", "main_data.json")
-    data = read_json(path)
+    data = read_rows(path)
     if not isinstance(data, list) or not data:
         raise UsageError(f"{path}: expected a non-empty JSON list of PrivacyLens cases")
     names = set()
@@ -683,8 +685,10 @@ def judge_leaves(roots, cases, judge):
     for root, case in zip(roots, cases, strict=True):
         leaves += [(leaf, case) for leaf, _ in leaves_with_paths(root)]
     chats = [judge_chats(case, leaf.output) for leaf, case in leaves]
-    leak_verdicts = judge([chat for leaf_chats in chats for chat in leaf_chats[:-1]], ("Yes", "No"))
-    help_verdicts = judge([leaf_chats[-1] for leaf_chats in chats], HELP_SCALE)
+    leak_chats = [chat for leaf_chats in chats for chat in leaf_chats[:-1]]
+    help_chats = [leaf_chats[-1] for leaf_chats in chats]
+    leak_verdicts = judge(leak_chats, ("Yes", "No"))
+    help_verdicts = judge(help_chats, HELP_SCALE)
     leak_answers = iter(leak_verdicts)
     for (leaf, case), leaf_chats, help_answer in zip(leaves, chats, help_verdicts, strict=True):
         answers = [next(leak_answers) for _ in leaf_chats[:-1]] + [help_answer]
@@ -789,7 +793,9 @@ def build_pairs(root, taus):
     for role, chosen, rejected in sibling_pairs(root, taus):
         pair = {"role": role, "prompt": chosen.prompt}
         for side, node in (("chosen", chosen), ("rejected", rejected)):
-            pair.update({side: node.output, f"{side}_ids": node.token_ids, f"{side}_finish": node.finish})
+            pair[side] = node.output
+            pair[f"{side}_ids"] = node.token_ids
+            pair[f"{side}_finish"] = node.finish
             pair[f"{side}_value"] = node.value
         pairs.append(pair)
     return pairs
@@ -804,8 +810,10 @@ def pairs_from_records(records, taus, reward):
         score_leaves(record["tree"], reward)
         propagate_values(record["tree"])
         for pair in build_pairs(record["tree"], taus):
-            about = {"sampled_with": record["sampled_with"].get(pair["role"]), "chat_date": record["chat_date"]}
-            pairs[pair["role"]].append({"case": record["case"], **pair, **about})
+            row = {"case": record["case"], **pair}
+            row["sampled_with"] = record["sampled_with"].get(pair["role"])
+            row["chat_date"] = record["chat_date"]
+            pairs[pair["role"]].append(row)
     return pairs
 
 
@@ -824,7 +832,8 @@ def sequence_logps(logits, labels):
     logits = logits[:, :-1, :].float()  # [B, T-1, V]
     labels = labels[:, 1:]  # [B, T-1]
     mask = labels != -100
-    picked = torch.gather(logits, 2, labels.masked_fill(~mask, 0).unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    index = labels.masked_fill(~mask, 0).unsqueeze(-1)
+    picked = torch.gather(logits, 2, index).squeeze(-1)  # [B, T-1]
     token_logps = picked - logits.logsumexp(-1)  # log_softmax at the label, without a [B, T-1, V] copy
     return (token_logps * mask).sum(-1)
 
@@ -975,7 +984,8 @@ def eval_metrics(cases):
         "helpfulness_avg": sum(scores) / 3 / len(samples),
         "helpfulness_bin": sum(score >= 2 for score in scores) / len(samples),
         "invalid_rate": sum(not sample["calls_tool"] for sample in samples) / len(samples),
-        "samples": len(samples),
+        "num_cases": len(cases),
+        "num_samples": len(samples),
     }
 
 
@@ -1276,13 +1286,15 @@ def prefix_groups(prompts):
     come longest first, so an out-of-memory error shows at the start."""
     groups = []
     for i in sorted(range(len(prompts)), key=lambda i: prompts[i]):
-        members = [prompts[j] for j in groups[-1]] + [prompts[i]] if groups else []
-        shared = len(os.path.commonprefix(members)) if members else 0
-        longest = max(map(len, members), default=0)
-        if members and shared >= max(16, longest // 2):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+        if groups:
+            members = [prompts[j] for j in groups[-1]]
+            members.append(prompts[i])
+            shared = len(os.path.commonprefix(members))
+            longest = max(map(len, members))
+            if shared >= max(16, longest // 2):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
     return sorted(groups, key=lambda group: -max(len(prompts[i]) for i in group))
 
 
@@ -1309,7 +1321,9 @@ def prefill(model, prompts, group_of, pad_id, room):
     for label in dict.fromkeys(group_of):
         members = [i for i, of in enumerate(group_of) if of == label]
         seqs = [prompts[i] for i in members]
-        shared = min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
+        # the last token of each prompt is left for generate's first step
+        shortest = min(map(len, seqs))
+        shared = min(len(os.path.commonprefix(seqs)), shortest - 1)
         rest = max(rest, max(map(len, seqs)) - 1 - shared)
         if shared > 0:
             write_prefix(model, cache, seqs[0][:shared], members, starts)
@@ -1509,8 +1523,9 @@ def post_completion(cfg, prompt):
         return choice["text"].split(JUDGE_STOP)[0], finish, reply["usage"]["completion_tokens"]
     except (OSError, ValueError, LookupError, TypeError) as e:
         # an HTTP error's body says why
-        body = e.read().decode(errors="replace")[:200] if isinstance(e, urllib.error.HTTPError) else ""
-        cause = " ".join(f"{first_line(e)} {body}".split())
+        cause = first_line(e)
+        if isinstance(e, urllib.error.HTTPError):
+            cause += " " + " ".join(e.read().decode(errors="replace")[:200].split())
     if key:
         cause = cause.replace(key, "***")
     raise UsageError(f"--judge-url {url}: {cause}; finished chunks are kept: rerun to resume")
@@ -1534,6 +1549,18 @@ def read_json(path):
         except json.JSONDecodeError as e:
             raise UsageError(f"{path}: line {len(rows) + e.lineno}: not valid JSON") from None
     return rows if path.endswith(".jsonl") else rows[0]
+
+
+def read_rows(source):
+    """The rows of a local JSON or JSONL file, or of a hub dataset named org/name (its train split)."""
+    if os.path.exists(source) or source.count("/") != 1 or source.endswith((".json", ".jsonl")):
+        return read_json(source)
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, split="train").to_list()
+    except Exception as e:  # offline, an unknown id, a gated dataset
+        raise UsageError(f"{source}: cannot load it from the hub ({first_line(e)})") from None
 
 
 def write_text(path, text):
@@ -1565,6 +1592,11 @@ def check_config(path, flags, advice="use a new --out"):
     for key, value in flags.items():
         if key not in FREE_FLAGS and old.get(key) != value:
             raise UsageError(f"{path}: this run had {key}={old.get(key)!r}, not {value!r}; {advice}")
+
+
+def from_flags(cls, flags):
+    """A config of class `cls` from a dict that holds its fields (and maybe others): recorded flags, parsed ones."""
+    return cls(**{f.name: flags[f.name] for f in dataclasses.fields(cls)})
 
 
 def create_config(path, flags):
@@ -1612,8 +1644,10 @@ def run_chunks(cfg, keys, paths, work):
     processes nor on how far a killed run got. A process loads its models (`paths`: role -> name) only when it
     has work; config.json, checked first, is written once they have loaded."""
     state = PartialState()
-    # --dtype auto: the paper's bfloat16 on a GPU
-    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
+    dtype = cfg.dtype
+    if dtype == "auto":
+        # the paper's bfloat16 on a GPU
+        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     cfg = dataclasses.replace(cfg, dtype=dtype)
     flags = {**dataclasses.asdict(cfg), "command": type(cfg).__name__, "models": paths}
     config = os.path.join(cfg.out, "config.json")
@@ -1653,12 +1687,11 @@ def run_rollouts(cfg, cases, chain):
     return run_chunks(cfg, list(by_name), paths, work)
 
 
-def write_report(cfg, name, report, table):
-    """<run folder>/<name>: the report, the run's counts, every flag and the versions; its table printed."""
-    run = getattr(cfg, "run", "") or cfg.out
-    report.update(counts=read_counts(run), flags=dataclasses.asdict(cfg), **provenance())
-    write_json(os.path.join(run, name), report)
-    print(table([report]))
+def write_report(cfg, report):
+    """<out>/report.json: the report, the run's counts, every flag and the versions; its table printed."""
+    report.update(counts=read_counts(cfg.out), flags=dataclasses.asdict(cfg), **provenance())
+    write_json(os.path.join(cfg.out, "report.json"), report)
+    print(format_table([report]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1674,19 +1707,21 @@ def write_pairs(cfg, records, taus):
     written = [os.path.join(run, f"pairs_{role}.jsonl") for role in pairs]
     for path, rows in zip(written, pairs.values(), strict=True):
         write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
-    for path in set(glob.glob(os.path.join(run, "pairs_*.jsonl"))) - set(written):
+    earlier = glob.glob(os.path.join(run, "pairs_*.jsonl"))
+    for path in set(earlier) - set(written):
         os.remove(path)
     judgments = [leaf.judgment for record in records for leaf, _ in leaves_with_paths(record["tree"])]
-    summary = {"collect/cases": len(records), "collect/leaves": len(judgments)}
+    summary = {"collect/leaves": len(judgments)}
     summary["collect/invalid_leaves"] = sum(not judgment["calls_tool"] for judgment in judgments)
     summary["collect/judge_cut_rate"] = judge_cut_rate(judgments)
     for role, tau in taus.items():
         summary[f"collect/pairs_{role}"] = len(pairs[role])
         if not pairs[role]:
             print(f"warning: no {role} pairs: all {role} siblings' values lie on one side of {tau}", file=sys.stderr)
-    summary.update(counts=read_counts(run), flags=dataclasses.asdict(cfg), **provenance())
+    summary["counts"] = read_counts(run)
+    print(json.dumps(summary, indent=1))
+    summary.update(flags=dataclasses.asdict(cfg), **provenance())
     write_json(os.path.join(run, "summary.json"), summary)
-    print(json.dumps({key: value for key, value in summary.items() if key != "flags"}, indent=1))
 
 
 def judge_cut_rate(judgments):
@@ -1709,16 +1744,15 @@ def load_pairs(source):
     and, from collect, "chosen_ids", "rejected_ids" (the sampled token ids), "chosen_finish", "rejected_finish"
     ("stop" or "cut"), "chosen_value", "rejected_value" (V), "sampled_with" (tokenizer_fingerprint) and
     "chat_date"; or the first five columns of a hub dataset. -> (role, pairs), every row checked."""
-    pairs = read_json(source)
-    path = source
+    pairs = read_rows(source)
     if not pairs:
         raise UsageError(f"--pairs {source}: no pairs; collect printed why its run got none")
     for number, pair in enumerate(pairs, 1):
         missing = [key for key in ("case", "role", "prompt", "chosen", "rejected") if pair.get(key) in (None, "")]
         if missing:
-            raise UsageError(f"{path}: line {number}: missing field '{missing[0]}'")
+            raise UsageError(f"{source}: line {number}: missing field '{missing[0]}'")
         if pair["role"] != pairs[0]["role"]:
-            raise UsageError(f"{path}: line {number}: field 'role' is {pair['role']!r}, not {pairs[0]['role']!r}")
+            raise UsageError(f"{source}: line {number}: field 'role' is {pair['role']!r}, not {pairs[0]['role']!r}")
     return pairs[0]["role"], pairs
 
 
@@ -1782,8 +1816,11 @@ def collate_pairs(examples, pad_id):
     keys = ("input_ids", "position_ids", "chosen_at", "rejected_at")
     for key, column in zip(keys, zip(*rows, strict=True), strict=True):
         batch[key] = padded(column, pad_id if key == "input_ids" else 0)
-    batch["chosen_labels"] = padded([[-100, *chosen] for _, chosen, _ in examples], -100)
-    batch["rejected_labels"] = padded([[-100, *rejected] for _, _, rejected in examples], -100)
+    # -100 under each side's first position, the prompt's last token, which predicts its first token
+    chosen_labels = [[-100, *chosen] for _, chosen, _ in examples]
+    rejected_labels = [[-100, *rejected] for _, _, rejected in examples]
+    batch["chosen_labels"] = padded(chosen_labels, -100)
+    batch["rejected_labels"] = padded(rejected_labels, -100)
     return batch
 
 
@@ -1858,10 +1895,11 @@ def start_training(cfg):
         accelerator.print(f"warning: no step of {run.steps} gets a learning rate above 0: use --warmup-ratio 0")
     # the last whole state <out>.state/step-<k> a killed run saved
     states = glob.glob(os.path.join(out + ".state", "step-*[0-9]"))
-    run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]), default=None)
-    run.progress = {"step": 0, "epoch": 0, "batches": 0, "pairs": 0, "seconds": 0.0, "history": []}
-    if run.resume:
+    if states:
+        run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]))
         run.progress = read_json(os.path.join(run.resume, "progress.json"))
+    else:
+        run.progress = {"step": 0, "epoch": 0, "batches": 0, "pairs": 0, "seconds": 0.0, "history": []}
     return run
 
 
@@ -1934,7 +1972,8 @@ def save_state(run):
         write_json(os.path.join(folder + ".tmp", "progress.json"), run.progress)
         write_json(os.path.join(folder + ".tmp", "flags.json"), run.flags)
         os.replace(folder + ".tmp", folder)
-        for old in set(glob.glob(os.path.join(run.out + ".state", "step-*"))) - {folder}:
+        states = glob.glob(os.path.join(run.out + ".state", "step-*"))
+        for old in set(states) - {folder}:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
@@ -1947,7 +1986,10 @@ def save_checkpoint(run, policy, tok):
     for tracker in accelerator.trackers:
         tracker.finish()
     state = accelerator.get_state_dict(policy)
-    metrics = {"role": run.role, "train/pairs": len(run.train), **run.stats, **run.progress, "flags": run.flags}
+    metrics = {"role": run.role, "train/pairs": len(run.train)}
+    metrics.update(run.stats)
+    metrics.update(run.progress)
+    metrics["flags"] = run.flags
     partial = run.out + ".partial"
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(partial, state_dict=state)
@@ -1988,24 +2030,25 @@ def write_eval_report(cfg, label, records):
     valid = valid_only(samples)
     report = {"benchmark": "privacylens", "label": label, "metrics": eval_metrics(samples)}
     report["ci95"] = bootstrap_ci(samples, seed=cfg.seed)
-    report["metrics_valid_only"] = eval_metrics(valid) if valid else None
-    report["ci95_valid_only"] = bootstrap_ci(valid, seed=cfg.seed) if valid else None
+    # a run without a valid sample has no (valid) metrics
+    report["metrics_valid_only"] = eval_metrics(valid) if valid else {}
+    report["ci95_valid_only"] = bootstrap_ci(valid, seed=cfg.seed) if valid else {}
     report["judge_cut_rate"] = judge_cut_rate(sum(samples, []))
     report["cases"] = []
     for record, case in zip(records, samples, strict=True):
         report["cases"].append({"case": record["case"], "samples": case})
-    write_report(cfg, "report.json", report, format_table)
+    write_report(cfg, report)
 
 
 def format_table(reports):
     """Metrics as rows, reports as columns: value [95% interval], an eval's also over valid samples (valid_only)."""
     rows = [("metric", [report["label"] for report in reports])]
     for samples in ("", "_valid_only"):
-        for key in reports[0].get("metrics" + samples) or {}:
+        for key in reports[0].get("metrics" + samples, {}):
             cells = []
             for report in reports:
-                value = (report.get("metrics" + samples) or {}).get(key)
-                interval = (report.get("ci95" + samples) or {}).get(key)
+                value = report.get("metrics" + samples, {}).get(key)
+                interval = report.get("ci95" + samples, {}).get(key)
                 if value is None:
                     cells.append("-")
                 elif interval:
@@ -2046,7 +2089,8 @@ def pareto_front(points):
     """The points (x, y) that no other point beats on both axes (higher is better on both), by x."""
     front = []
     for x, y in set(points):
-        if not any(a >= x and b >= y and (a, b) != (x, y) for a, b in points):
+        beaten = any(a >= x and b >= y and (a, b) != (x, y) for a, b in points)
+        if not beaten:
             front.append((x, y))
     return sorted(front)
 
@@ -2062,8 +2106,11 @@ def plot_tradeoff(reports, path):
     figure = Figure(figsize=(12, 5), layout="tight")
     panels = (("privacy_avg", "helpfulness_avg"), ("privacy_leak_at_k", "helpfulness_bin"))
     for ax, (x_key, y_key) in zip(figure.subplots(1, 2), panels, strict=True):
-        points = [(report["metrics_valid_only"][x_key], report["metrics_valid_only"][y_key]) for report in reports]
-        for report, point in zip(reports, points, strict=True):
+        points = []
+        for report in reports:
+            metrics = report["metrics_valid_only"]
+            point = (metrics[x_key], metrics[y_key])
+            points.append(point)
             ax.plot(*point, "o")
             ax.annotate(report["label"], point, textcoords="offset points", xytext=(6, 6), fontsize=8)
         ax.plot(*zip(*pareto_front(points), strict=True), "--", color="gray", label="Pareto frontier")
@@ -2112,7 +2159,8 @@ def confaide_chunk(cfg, items, models, keys):
         item = items[key][2]
         task["samples"] = []
         for sample in samples:
-            task["samples"].append({"text": sample.text, "errors": confaide_errors(task["task"], item, sample.text)})
+            errors = confaide_errors(task["task"], item, sample.text)
+            task["samples"].append({"text": sample.text, "errors": errors})
             tokens += len(sample.token_ids)
         records[key]["tasks"].append(task)
     seconds = time.perf_counter() - start
@@ -2124,7 +2172,7 @@ def write_confaide_report(cfg, records):
     cases = [task for record in records for task in record["tasks"]]
     label = cfg.label or os.path.basename(cfg.model.rstrip("/"))
     report = {"benchmark": "confaide", "label": label, "metrics": confaide_metrics(cases), "cases": cases}
-    write_report(cfg, "report.json", report, format_table)
+    write_report(cfg, report)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2136,7 +2184,6 @@ def write_confaide_report(cfg, records):
 class ShowConfig:
     run: str = opt("", "a collect folder (its trees, values, pairs) or an eval folder", positional=True)
     case: str = opt("", "the case's name, e.g. main12 (default: the run's first)")
-    limit: int = opt(0, "children per node shown; 0: all", "[0, inf)")
 
 
 def cmd_show(cfg):
@@ -2150,32 +2197,30 @@ def cmd_show(cfg):
     if config["command"] == "CollectConfig":
         summary = os.path.join(cfg.run, "summary.json")
         flags = read_json(summary)["flags"] if os.path.exists(summary) else config
-        reward = RewardConfig(**{f.name: flags[f.name] for f in dataclasses.fields(RewardConfig)})
+        reward = from_flags(RewardConfig, flags)
         taus = parse_taus(reward.tau, parse_topology(config["topology"]))
         pairs_from_records([records[name]], taus, reward)
         for _, chosen, rejected in sibling_pairs(records[name]["tree"], taus):
-            marks.update({id(chosen): "+", id(rejected): "-"})
+            marks[id(chosen)] = "+"
+            marks[id(rejected)] = "-"
         print(f"{name}: b1={reward.b1}, b2={reward.b2}, tau {reward.tau}; + / - the chosen / rejected of each pair")
     case = {case["name"]: case for case in load_cases(config["data"], "all")}[name]
-    show_tree(records[name]["tree"], case["trajectory"]["sensitive_info_items"], marks, cfg)
+    show_tree(records[name]["tree"], case["trajectory"]["sensitive_info_items"], marks)
 
 
-def show_tree(node, items, marks, cfg, indent=""):
-    """The outline below `node`: role, V and the output's first line (--full: all of it), + / - on the siblings in
-    pairs; each leaf's judgment: its validity, helpfulness and the sensitive items it leaks (--full: the judge's
-    own words)."""
-    for child in node.children[: cfg.limit or None]:
+def show_tree(node, items, marks, indent=""):
+    """The outline below `node`: role, V and the output's first line, + / - on the siblings in pairs; each leaf's
+    judgment: its validity, helpfulness and the sensitive items it leaks."""
+    for child in node.children:
         value = "" if child.value is None else f"V={child.value:+.3f}  "
         text = child.output.strip().split("\n")[0][:60]
         print(f"{indent}{marks.get(id(child), ' ')} {child.role:<9} {value}{text}")
-        show_tree(child, items, marks, cfg, indent + "  ")
+        show_tree(child, items, marks, indent + "  ")
         if child.judgment:
             judgment = child.judgment
             leaked = [item for item, leak in zip(items, judgment["leaks"], strict=True) if leak]
             valid = "valid" if judgment["calls_tool"] else "invalid (no call of the case's tool)"
             print(f"{indent}    {valid}, helpfulness {judgment['helpfulness']}, leaks {leaked}")
-    if cfg.limit and len(node.children) > cfg.limit:
-        print(f"{indent}  ... {len(node.children) - cfg.limit} more")
 
 
 @dataclass
@@ -2188,8 +2233,8 @@ def cmd_judge(cfg):
     """Judge a finished collect or eval run's outputs again (another judge or verdict budget), into a new folder."""
     config = read_json(os.path.join(cfg.run, "config.json"))
     kind = CollectConfig if config["command"] == "CollectConfig" else EvalConfig
-    source = kind(**{f.name: config[f.name] for f in dataclasses.fields(kind)})
-    judge_flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(JudgeFlags)}
+    source = from_flags(kind, config)
+    judge_flags = dataclasses.asdict(from_flags(JudgeFlags, vars(cfg)))
     new = dataclasses.replace(source, out=cfg.out, **judge_flags)
     cases = {case["name"]: case for case in load_cases(source.data, "all")}
     records = {record["case"]: record for record in read_records(cfg.run)}
@@ -2298,7 +2343,7 @@ def main(argv=None):
     """Run one command; bad input, an interrupt or an out-of-memory error ends it in one line."""
     args = build_parser().parse_args(argv)
     cls, command = COMMANDS[args.command]
-    cfg = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    cfg = from_flags(cls, vars(args))
     try:
         command(cfg)
     except UsageError as e:

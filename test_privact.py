@@ -1704,7 +1704,7 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
         (["--model", str(tmp_path / "no" / "such")], "cannot load its tokenizer"),
         (["--judge-url", f"http://127.0.0.1:{free_port()}/v1"], "no OpenAI-compatible server answers (<urlopen error"),
         (["--judge-url", url], "no OpenAI-compatible server answers (HTTP Error 501"),
-        (["--judge-url", "localhost:8000"], "no OpenAI-compatible server answers (unknown url type"),
+        (["--judge-url", "localhost:8000"], "no OpenAI-compatible server answers (<urlopen error unknown url type"),
     ]
     try:
         for extra, message in cases:
@@ -2373,9 +2373,7 @@ def test_collect_end_to_end_then_pairs_again_without_a_model(tmp_path, data_file
             assert all(c.prompt == node.children[0].prompt for c in node.children)
             assert node.role == "input" or (node.token_ids and node.finish in ("stop", "cut"))
     summary = json.loads((run / "summary.json").read_text())
-    assert (
-        summary["collect/cases"] == 2 and summary["collect/leaves"] == 16 and summary["flags"]["branching"] == "2,2,2"
-    )
+    assert summary["collect/leaves"] == 16 and summary["flags"]["branching"] == "2,2,2"
     counts = summary["counts"]
     assert counts["policy_seconds"] > 0 and counts["judge_seconds"] > 0 and counts["judge_tokens"] > 0
     assert counts["policy_tokens"] == sum(
@@ -2495,7 +2493,7 @@ def test_eval_uses_trained_role_models_and_compares(tmp_path, data_file, tiny_mo
 
 def test_show_a_collect_tree_as_the_method_scores_it(tmp_path, data_file, tiny_model, capsys):
     """Each node's line carries the V that Eq. 1 and propagate_values give, + / - exactly on the siblings that
-    build_pairs turns into chosen / rejected; the header counts the case's pairs; --limit cuts the children shown."""
+    build_pairs turns into chosen / rejected; the header names the reward flags; --case picks the case."""
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=0.2,refiner=0.4", "--b2", "0.2")) == 0
     records = fake_judgments(run)
@@ -2515,8 +2513,8 @@ def test_show_a_collect_tree_as_the_method_scores_it(tmp_path, data_file, tiny_m
     assert lines[0].startswith(f"{records[0]['case']}: b1=0.0, b2=0.2, tau verifier=0.2,refiner=0.4;")
     assert pairs["refiner"] and pairs["verifier"]
     assert re.search(r", helpfulness \d, leaks \['Alice has diabetes\.'", "\n".join(lines))
-    assert run_cli("show", run, "--limit", "1", "--case", records[1]["case"]) == 0
-    assert capsys.readouterr().out.count("... 1 more") == 1 + 1 + 1  # one per level
+    assert run_cli("show", run, "--case", records[1]["case"]) == 0
+    assert capsys.readouterr().out.startswith(f"{records[1]['case']}: ")
     for args, message in (
         ((run, "--case", "main12"), f"{run}: no collect or eval case 'main12'"),
         ((tmp_path,), "config.json"),
