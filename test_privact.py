@@ -583,6 +583,18 @@ def test_not_json_and_unknown_split(tmp_path, capsys, data_file):
     assert "argument --split: invalid choice: 'dev'" in capsys.readouterr().err
 
 
+def test_a_hub_dataset_that_cannot_load_is_one_line(tmp_path):
+    """--data and --pairs take a hub dataset id (org/name) too; offline, each says so in one line."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    commands = (("collect", "--data", "no-org/no-cases"), ("train", "--pairs", "no-org/no-pairs"))
+    for command, flag, hub_id in commands:
+        args = [sys.executable, str(HERE / "privact.py"), command, flag, hub_id, "--out", str(tmp_path / command)]
+        done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert f"privact {command}: error: {hub_id}: cannot load it from the hub" in done.stderr.splitlines()[-1]
+        assert not (tmp_path / command).exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # Prompts: the chat each agent sees
 # ----------------------------------------------------------------------------------------------
