@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -2048,12 +2049,12 @@ def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
 
 @pytest.fixture(scope="session")
 def smollm2_refiner_pairs(tmp_path_factory):
-    """8 refiner pairs on real PrivacyLens prompts (8 train cases, a draft and a critique each), both sides sampled by
+    """4 refiner pairs on real PrivacyLens prompts (4 train cases, a draft and a critique each), both sides sampled by
     the embedded SmolLM2 itself (48 tokens, T = 1), with their sampled ids: a collect's pairs."""
     needs_smollm2()
     model, tok = privact.load_model("smollm2")
     chats = []
-    for case in privact.load_cases("", "train", 8):
+    for case in privact.load_cases("", "train", 4):
         tool = case["trajectory"]["final_action"]
         draft = f"Thought: I will do what {case['trajectory']['user_name']} asked.\nAction: {tool}\nAction Input: {{}}"
         chats.append(privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")]))
@@ -2073,13 +2074,13 @@ def smollm2_refiner_pairs(tmp_path_factory):
 @pytest.mark.slow  # bf16 on SmolLM2: minutes here, far longer where bf16 is emulated
 def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs, monkeypatch):
     """bf16 autocast on SmolLM2's real pairs, uncut (the two pairs of a micro-batch differ in length: one is padded,
-    which moves a bf16 log-prob), three epochs of new micro-batches, the weights held still: every step of every
+    which moves a bf16 log-prob), two epochs of new micro-batches, the weights held still: every step of every
     epoch within 1e-3 of log 2, the reference computing each micro-batch beside the policy."""
     monkeypatch.setattr(privact, "cosine_lr", lambda step, steps, cfg: 0.0)
-    args = train_args(smollm2_refiner_pairs, tmp_path / "autocast", "smollm2", "--epochs", "3", "--grad-accum", "1")
+    args = train_args(smollm2_refiner_pairs, tmp_path / "autocast", "smollm2", "--epochs", "2", "--grad-accum", "1")
     assert run_cli(*args, "--mixed-precision", "bf16") == 0
     history = json.loads((tmp_path / "autocast" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 3 * 4 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
+    assert len(history) == 2 * 2 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
 
 
 @pytest.mark.slow  # bf16 on SmolLM2: minutes here, far longer where bf16 is emulated
@@ -2091,7 +2092,7 @@ def test_smollm2_deepspeed_bf16_stays_at_log2(tmp_path, smollm2_refiner_pairs):
     done = deepspeed_train(smollm2_refiner_pairs, tmp_path / "ds", "smollm2", *args, port=29524)
     assert done.returncode == 0, done.stderr[-3000:]
     history = json.loads((tmp_path / "ds" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 2 * 4 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
+    assert len(history) == 2 * 2 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
 
 
 def test_train_records_its_precision_and_a_resume_keeps_it(tmp_path, tiny_model, monkeypatch, capsys):
@@ -2592,6 +2593,161 @@ def test_judge_killed_resumes_with_each_case_once(tmp_path, data_file, tiny_mode
     names = case_names(run)
     assert calls == [[names[0]], [names[1]], [names[1]], [names[2]]]  # the first chunk was kept
     assert case_names(tmp_path / "new") == names
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmarks run (on the tiny model; the GPU run's script in --tiny mode)
+# ----------------------------------------------------------------------------------------------
+
+
+def run_bench(script, *args, cwd=None, timeout=900):
+    """benchmarks/<script> with `args` -> the JSON object its last line prints."""
+    command = [sys.executable, str(HERE / "benchmarks" / script), *map(str, args)]
+    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+
+
+def test_bench_rollout_runs_every_arm_on_one_chunk(tiny_model):
+    """bench_rollout.py --tiny: the four arms roll out and judge the same chunk shape through rollout_chunk, each
+    with its own generation; the speedups are the ratios of their seconds per 1k generated tokens."""
+    result, _ = run_bench("bench_rollout.py", "--tiny", tiny_model)
+    arms = result["arms"]
+    assert list(arms) == ["generate-batched", "generate-per-prompt", "privact-per-prompt", "privact"]
+    for counts in arms.values():
+        # 1 case, branching 1,2,2: 7 agent outputs of at most 8 tokens; every leaf judged
+        assert 0 < counts["policy_tokens"] <= 7 * 8 and counts["judge_tokens"] > 0
+        assert counts["processed_share_of_ceiling"] > 0
+    per_1k = {arm: counts["seconds_per_1k_tokens"] for arm, counts in arms.items()}
+    want = per_1k["privact-per-prompt"] / per_1k["privact"]
+    assert result["speedups"]["privact over privact-per-prompt"] == pytest.approx(want, abs=0.01)
+    assert result["speedups"]["privact over generate-batched"] == pytest.approx(
+        per_1k["generate-batched"] / per_1k["privact"], abs=0.01
+    )
+
+
+def test_bench_rollout_peers_keep_privacts_contract(tiny_model):
+    """The peer arm (plain generate over length-sorted batches) returns what privact.generate returns: per chat its
+    samples as Completions; greedy, the same texts and ids as privact's own generate."""
+    sys.path.insert(0, str(HERE / "benchmarks"))
+    import bench_rollout
+
+    model, tok = privact.load_model(tiny_model)
+    chats = [[{"role": "user", "content": "Hello " * n}] for n in (1, 5, 3)]
+    greedy = privact.Decoding(1, 6, None, prefix="Thought:")
+    cfg = privact.CollectConfig(batch_size=4)
+    theirs = bench_rollout.plain_generate(model, tok, chats, greedy, cfg)
+    ours = privact.generate(model, tok, chats, greedy, cfg)
+    assert [[c.token_ids for c in samples] for samples in theirs] == [[c.token_ids for c in s] for s in ours]
+    assert [[c.text for c in samples] for samples in theirs] == [[c.text for c in s] for s in ours]
+    sampled = bench_rollout.plain_generate(model, tok, chats, privact.Decoding(2, 6, 1.0, prefix="Thought:"), cfg)
+    assert [len(samples) for samples in sampled] == [2, 2, 2]
+    assert all(c.text.startswith("Thought:") and len(c.token_ids) <= 6 for samples in sampled for c in samples)
+
+
+def test_bench_gpu_trains_and_tables_its_hours(tmp_path):
+    """bench_gpu.py --tiny --stages train: `privact.py train` on synthetic pairs of --max-length, its pairs/s and
+    peak memory, and the training hours they imply; --json writes the printed object."""
+    needs_smollm2()
+    result, out = run_bench("bench_gpu.py", "--tiny", "--stages", "train", "--json", tmp_path / "b.json", cwd=tmp_path)
+    assert result == json.loads((tmp_path / "b.json").read_text())
+    train = result["train"]
+    assert train["steps"] == 1 and train["pairs_per_s"] > 0 and train["peak_gib"] > 0
+    rows = {row["job"]: row["hours"] for row in result["hours"]}
+    want = 5000 * 12 / train["pairs_per_s"] / 3600
+    assert rows["train verifier, 5000 pairs x 12 epochs"] == pytest.approx(want, rel=0.01, abs=0.01)
+    assert rows["total"] == pytest.approx(sum(h for job, h in rows.items() if job != "total"), abs=0.02)
+    assert "collect" not in result and result["skipped_for_time"] == []
+
+
+def test_bench_gpu_an_interrupt_ends_the_stage_in_flight_and_keeps_the_figures(monkeypatch):
+    """gpu_run.sh's hard limit sends SIGINT: the stage in flight ends, the ones after it are named as not run, and
+    what the earlier stages measured stays; --time-box skips the stages that would start after it."""
+    monkeypatch.syspath_prepend(str(HERE / "benchmarks"))
+    import bench_gpu
+
+    ran = []
+
+    def measured(ctx):
+        ran.append("collect")
+        ctx.figures["collect"] = {"seconds_per_case": 1.0}
+
+    def interrupted(ctx):
+        ran.append("eval")
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "collect", measured)
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "eval", interrupted)
+    monkeypatch.setitem(bench_gpu.STAGE_RUNS, "train", lambda ctx: ran.append("train"))
+    args = types.SimpleNamespace(stages=["train", "eval", "collect"], time_box=0)
+    ctx = bench_gpu.Context(args, None, None, {}, "")
+    assert bench_gpu.run_stages(ctx, time.perf_counter()) == (["train"], "eval")  # in STAGES order
+    assert ran == ["collect", "eval"] and ctx.figures == {"collect": {"seconds_per_case": 1.0}}
+    args.time_box, ran[:] = 60, []
+    assert bench_gpu.run_stages(ctx, time.perf_counter() - 61) == (["collect", "eval", "train"], None)
+    assert ran == []
+
+
+@pytest.mark.slow
+def test_gpu_run_script_prepares_installs_and_runs_the_paper_preset_in_tiny_mode(tmp_path):
+    """benchmarks/gpu_run.sh end to end, as on the GPU machine but in --tiny: prepare downloads the carried wheels
+    (for this Python) and saves the tokenizer; run installs them into a private folder and runs bench_gpu.py
+    --paper --tiny: every stage, the time split of collect and eval, the peers beside privact, the hours."""
+    needs_smollm2()
+    script = str(HERE / "benchmarks" / "gpu_run.sh")
+    env = {**os.environ, "PYVER": f"{sys.version_info.major}.{sys.version_info.minor}"}
+    carry, out = tmp_path / "carry", tmp_path / "out"
+    prepared = subprocess.run([script, "prepare", str(carry)], env=env, capture_output=True, text=True, timeout=600)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    wheels = {p.name.split("-")[0] for p in (carry / "wheels").glob("*.whl")}
+    assert {"transformers", "accelerate", "tokenizers"} <= wheels
+    assert (carry / "tokenizer" / "tokenizer.json").exists()
+    ran = subprocess.run([script, "run", str(carry), str(out), "--tiny"], capture_output=True, text=True, timeout=900)
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    log = (out / "bench_gpu.log").read_text()
+    assert log.splitlines()[2].startswith("torch ") and "peers:" in log  # the device and versions, then the stages
+    result = json.loads((out / "bench_gpu.json").read_text())
+    assert result["args"]["paper"] and result["args"]["tokenizer"] == str(carry / "tokenizer")
+    assert result["skipped_for_time"] == [] and result["cut_by_interrupt"] is None
+    for stage in ("collect", "eval"):
+        figures = result[stage]
+        assert figures["warmup_seconds"] > 0 and figures["recompiles_after_warmup"] >= 0
+        parts = figures["policy_seconds_per_case"] + figures["judge_seconds_per_case"]
+        assert 0 < parts <= figures["seconds_per_case"] + 0.01
+        assert figures["policy_tokens_per_s"] > 0 and figures["judge_tokens_per_s"] > 0
+    assert result["peers"]["speedup"] > 0 and result["train"]["pairs_per_s"] > 0
+    jobs = [row["job"] for row in result["hours"]]
+    assert jobs == [
+        "collect, 394 cases",
+        "eval, 99 cases",
+        *(f"train {r}, 5000 pairs x {e} epochs" for r, e in (("verifier", 12), ("refiner", 4))),
+        "total",
+    ]
+
+
+@pytest.mark.slow
+def test_bench_train_measures_privact_and_trl_on_the_same_pairs(tiny_model):
+    """bench_train.py on the tiny model: both trainers run the same steps on the same pairs, each in its own
+    process; the ratios are those of their pairs/s and peak memory."""
+    pytest.importorskip("trl")
+    result, _ = run_bench("bench_train.py", "--model", tiny_model, "--num-pairs", "4", "--steps", "1")
+    privact_run, trl_run = result["privact"], result["trl"]
+    assert privact_run["steps"] == trl_run["steps"] == 1 and privact_run["pairs"] == trl_run["pairs"] == 4
+    assert result["speedup_pairs_per_s"] == pytest.approx(privact_run["pairs_per_s"] / trl_run["pairs_per_s"], rel=0.02)
+    assert result["memory_ratio"] == pytest.approx(privact_run["peak_rss_mb"] / trl_run["peak_rss_mb"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_bench_judge_serves_the_same_verdicts(tmp_path):
+    """bench_judge.py: the judge in process and through a real `transformers serve` (with and without continuous
+    batching) on the same leaves; served verdicts equal the local ones."""
+    needs_smollm2()
+    needs_serving()
+    result, _ = run_bench("bench_judge.py", "--cases", "1", "--leaves", "2", "--judge-max-new-tokens", "8")
+    for side in ("privact", "serve", "serve-seq"):
+        assert result[side]["seconds_per_case"] > 0
+    equal, calls = map(int, result["serve"]["verdicts_equal_to_local"].split("/"))
+    assert calls == result["judge_calls"] > 0 and equal == calls
 
 
 # ----------------------------------------------------------------------------------------------

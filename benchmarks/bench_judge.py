@@ -4,7 +4,7 @@
              without --judge-url): every judge prompt of the leaves batched, shared prefixes
              prefilled once.
 - serve:     the same leaves through --judge-url against `transformers serve MODEL --continuous-batching`
-             on 127.0.0.1, --judge-concurrency requests in flight (privact.judge_endpoint).
+             on 127.0.0.1, --judge-concurrency requests in flight (privact.judge_served).
 - serve-seq: the same against `transformers serve` without continuous batching (one request at a time).
 
 The leaves are synthetic actions on the first --cases bundled train cases, --leaves per case, half
@@ -19,7 +19,7 @@ case for each, how many verdict texts equal the local judge's, and a JSON line.
 Needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette
 """
 
-import collections
+import copy
 import functools
 import json
 import os
@@ -28,32 +28,36 @@ import time
 
 import torch
 
-import common  # noqa: E402  (puts privact.py on the path)
-import privact  # noqa: E402
+import common
+import privact
+from bench_rollout import cpu_name
 
 
-def synthetic_leaves(cases, per_case):
-    """(leaf, case, path) with a refiner output holding an action of the case's tool; odd ones quote an item."""
-    leaves = []
+def synthetic_trees(cases, per_case):
+    """Per case a root whose `per_case` children are refiner outputs holding an action of the case's tool; odd
+    ones quote a sensitive item."""
+    roots = []
     for case in cases:
         t = case["trajectory"]
+        root = privact.Node("input", [])
         for i in range(per_case):
-            text = f"Hi, here is the update you asked for ({i})." + (
-                f" Also: {t['sensitive_info_items'][0]}" if i % 2 else ""
-            )
+            text = f"Hi, here is the update you asked for ({i})."
+            if i % 2:
+                text += f" Also: {t['sensitive_info_items'][0]}"
             args = dict.fromkeys(json.loads(privact.input_skeleton(t["final_action"])), text)
             output = f"Thought: I will send it.\nAction: {t['final_action']}\nAction Input: {json.dumps(args)}"
-            leaves.append((privact.Node("refiner", [], output), case, [("refiner", output)]))
-    return leaves
+            root.children.append(privact.Node("refiner", [], output))
+        roots.append(root)
+    return roots
 
 
-def judge(leaves, judge_fn, args):
-    """Judge copies of `leaves` -> (seconds, verdict texts in order)."""
-    copies = [(privact.Node(leaf.role, [], leaf.output), case, path) for leaf, case, path in leaves]
-    cfg = privact.CollectConfig(judge_max_new_tokens=args.judge_max_new_tokens, batch_size=args.batch_size)
+def judged(roots, cases, judge):
+    """Judge copies of the trees -> (seconds, per leaf its verdict texts)."""
+    copies = copy.deepcopy(roots)
     start = time.perf_counter()
-    privact.judge_leaves(copies, judge_fn, cfg, collections.Counter())
-    return time.perf_counter() - start, [leaf.judgment["judge_outputs"] for leaf, _, _ in copies]
+    privact.judge_leaves(copies, cases, judge)
+    seconds = time.perf_counter() - start
+    return seconds, [leaf.judgment["judge_outputs"] for root in copies for leaf in root.children]
 
 
 def main():
@@ -64,46 +68,43 @@ def main():
     args = ap.parse_args()
     common.serving_available()
     torch.manual_seed(0)
-    leaves = synthetic_leaves(privact.load_cases("", "train", args.cases), args.leaves)
+    cases = privact.load_cases("", "train", args.cases)
+    roots = synthetic_trees(cases, args.leaves)
     with tempfile.TemporaryDirectory() as folder, open(os.path.join(folder, "serve.log"), "w") as log:
-        model, tok = privact.load_model(args.model, torch.float32, "cpu", generating=True)
-        model.save_pretrained(os.path.join(folder, "judge"))
-        tok.save_pretrained(os.path.join(folder, "judge"))
-        local = functools.partial(privact.generate_batched, model, tok, batch_size=args.batch_size)
-        judge(leaves[:1], local, args)  # warm-up
-        results = {"privact": judge(leaves, local, args)}
-        for name, cb in (("serve", True), ("serve-seq", False)):
-            proc, url = common.serve(os.path.join(folder, "judge"), log, flags=["--continuous-batching"] * cb)
+        model, tok = privact.load_model(args.model, torch.float32, "cpu")
+        saved = os.path.join(folder, "judge")
+        model.save_pretrained(saved)
+        tok.save_pretrained(saved)
+        models = {"judge": (model, tok)}
+        cfg = privact.CollectConfig(judge_max_new_tokens=args.judge_max_new_tokens, batch_size=args.batch_size)
+        local = functools.partial(privact.judge, models, cfg)
+        judged(roots[:1], cases[:1], local)  # warm-up
+        results = {"privact": judged(roots, cases, local)}
+        for name, flags in (("serve", ["--continuous-batching"]), ("serve-seq", [])):
+            proc, url = common.serve(saved, log, flags=flags)
             try:
-                cfg = privact.CollectConfig(
-                    judge_url=url, judge_model=os.path.join(folder, "judge"), judge_concurrency=args.concurrency
+                served_cfg = privact.CollectConfig(
+                    judge_url=url,
+                    judge_model=saved,
+                    judge_concurrency=args.concurrency,
+                    judge_max_new_tokens=args.judge_max_new_tokens,
                 )
-                served = functools.partial(privact.judge_endpoint, cfg, tok)
-                judge(leaves[:1], served, args)  # warm-up: the server's first request loads and compiles
-                results[name] = judge(leaves, served, args)
+                served = functools.partial(privact.judge, models, served_cfg)
+                judged(roots[:1], cases[:1], served)  # warm-up: the server's first request loads and compiles
+                results[name] = judged(roots, cases, served)
             finally:
                 proc.kill()
                 proc.wait()
-    calls = sum(len(outs) for outs in results["privact"][1])
-    out = {
-        "cases": args.cases,
-        "leaves": len(leaves),
-        "judge_calls": calls,
-        "judge_max_new_tokens": args.judge_max_new_tokens,
-        "concurrency": args.concurrency,
-        "torch": torch.__version__,
-    }
+    calls = sum(len(texts) for texts in results["privact"][1])
+    out = {"cases": args.cases, "leaves": args.cases * args.leaves, "judge_calls": calls, "args": vars(args)}
+    out.update(cpu=cpu_name(), versions=privact.provenance()["versions"])
     for name, (seconds, texts) in results.items():
         same = 0  # verdict texts equal to the local judge's
-        for mine, local in zip(texts, results["privact"][1], strict=True):
-            same += sum(a == b for a, b in zip(mine, local, strict=True))
-        out[name] = {
-            "seconds_per_case": round(seconds / args.cases, 2),
-            "verdict_texts_equal_to_local": f"{same}/{calls}",
-        }
+        for mine, local_texts in zip(texts, results["privact"][1], strict=True):
+            same += sum(a == b for a, b in zip(mine, local_texts, strict=True))
+        out[name] = {"seconds_per_case": round(seconds / args.cases, 2), "verdicts_equal_to_local": f"{same}/{calls}"}
         print(
-            f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal to the local "
-            "judge's"
+            f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal the local judge's"
         )
     out["serve_over_privact"] = round(out["serve"]["seconds_per_case"] / out["privact"]["seconds_per_case"], 2)
     print(json.dumps(out))

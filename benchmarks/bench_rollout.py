@@ -1,100 +1,192 @@
-"""Rollout throughput: privact's batched generation vs one `generate` call per prompt.
+"""Rollout throughput, side by side in one run: one chunk of PrivacyLens cases rolled out and judged by
+privact.rollout_chunk (what collect runs on each chunk: the agents level by level, then every leaf judged
+with the release's protocol), four ways, on the same model, seed and budgets:
 
-Both paths sample the same generator prompts (real PrivacyLens cases, B samples per prompt, the
-same seed, dtype and max_new_tokens) on the same model in one process, and print generated
-tokens per second and their ratio.
+- generate-batched:     what a user writes first: a level's prompts sorted by length, left-padded, one
+                        model.generate(num_return_sequences=B) per batch of --batch-size sequences;
+- generate-per-prompt:  one model.generate(num_return_sequences=B) per prompt (per tree node, per judge prompt);
+- privact-per-prompt:   privact.generate with every prompt a group of its own: each prompt prefilled once,
+                        its B samples sharing that cache;
+- privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
+                        one level, a leaf's judge prompts) prefilled once per group.
 
-    python benchmarks/bench_rollout.py
+Each arm swaps privact.generate (or privact.prefix_groups) and calls rollout_chunk, which clocks the policy
+and the judge apart. Sampling draws other trees in each arm; their shapes and budgets are the same, so the
+figures are per generated token. Also printed: every token the model processed per second (prompts,
+padding and finished rows included, counted by a hook on the model's forward) as a share of the most this
+CPU does, one forward of [--batch-size, 256] tokens.
 
-- batched:    privact.generate_batched: all prompts in length-sorted, left-padded batches of
-              --batch-size sequences, each prompt prefilled once and its KV cache shared by its
-              B samples.
-- per-prompt: for each prompt, model.generate(prompt, num_return_sequences=B), the loop one
-              writes first.
+    python benchmarks/bench_rollout.py                          # 2 cases, branching 2,2,2, 64 tokens, judge 64
+    python benchmarks/bench_rollout.py --tiny                   # a tiny random model, seconds (the tests run it)
 """
 
+import dataclasses
 import json
 import os
+import platform
 import time
 
 import torch
+from transformers import GenerationConfig
 
-import common  # noqa: E402  (puts privact.py on the path)
-import privact  # noqa: E402
+import common  # noqa: F401  (puts privact.py on the path)
+import privact
+
+ARMS = ("generate-batched", "generate-per-prompt", "privact-per-prompt", "privact")
 
 
-def per_prompt(model, tok, chats, num_return, max_new_tokens, temperature):
-    from transformers import GenerationConfig
-
+def plain_generate(model, tok, chats, decoding, cfg, per_prompt=False):
+    """privact.generate's contract (rendering, sampling, stops, Completions) through plain model.generate:
+    one call per batch of length-sorted prompts (or per prompt), each prompt repeated B times by
+    num_return_sequences, so every sample prefills its prompt."""
+    texts = [privact.chat_text(tok, chat, cfg.chat_date, not decoding.as_release) + decoding.prefix for chat in chats]
+    prompts = tok(texts, add_special_tokens=decoding.as_release)["input_ids"]
+    ends = model.generation_config.eos_token_id
+    ends = ends if isinstance(ends, list) else [ends]
+    sampling = {"do_sample": False}
+    if decoding.temperature:
+        sampling = {"do_sample": True, "temperature": decoding.temperature, "top_k": 0, "top_p": 1.0}
     gen = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=True,
-        temperature=temperature,
-        top_p=1.0,
-        top_k=0,
-        num_return_sequences=num_return,
+        max_new_tokens=decoding.max_new_tokens,
+        num_return_sequences=decoding.samples,
         pad_token_id=tok.pad_token_id,
-        eos_token_id=privact.stop_token_ids(model, tok),
+        eos_token_id=sorted({tok.eos_token_id, *ends} - {None}),
+        stop_strings=decoding.stop,
+        **sampling,
     )
-    n_tokens = 0
-    for chat in chats:
-        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + privact.P.ACTION_PREFIX
-        ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    per_batch = 1 if per_prompt else max(1, cfg.batch_size // decoding.samples)
+    results = [None] * len(prompts)
+    for first in range(0, len(order), per_batch):
+        batch = order[first : first + per_batch]
+        padded = tok.pad({"input_ids": [prompts[i] for i in batch]}, padding_side="left", return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-        n_tokens += int((out[:, ids.shape[1] :] != tok.pad_token_id).sum())
-    return n_tokens
+            out = model.generate(
+                **padded.to(model.device),
+                generation_config=gen,
+                tokenizer=tok,
+                prefix_allowed_tokens_fn=decoding.allowed,
+            )
+        width = padded["input_ids"].shape[1]
+        completions = privact.completions_of(tok, out, width, decoding, gen.eos_token_id)
+        for j, i in enumerate(batch):
+            results[i] = completions[j * decoding.samples : (j + 1) * decoding.samples]
+    return results
+
+
+def one_prompt_groups(prompts):
+    """privact.prefix_groups' shape with every prompt alone: prefill once per prompt, no cross-prompt sharing."""
+    return [[i] for i in range(len(prompts))]
+
+
+def run_arm(arm, cases, chain, models, cfg):
+    """rollout_chunk with `arm`'s generation -> its counts (seconds and generated tokens of policy and judge)."""
+    real_generate, real_groups = privact.generate, privact.prefix_groups
+    if arm == "generate-batched":
+        privact.generate = plain_generate
+    elif arm == "generate-per-prompt":
+        privact.generate = lambda *a: plain_generate(*a, per_prompt=True)
+    elif arm == "privact-per-prompt":
+        privact.prefix_groups = one_prompt_groups
+    try:
+        torch.manual_seed(cfg.seed)
+        _, counts = privact.rollout_chunk(cases, chain, models, cfg)
+    finally:
+        privact.generate, privact.prefix_groups = real_generate, real_groups
+    return counts
+
+
+def forward_ceiling(model, batch_size, length=256):
+    """Tokens/s of one forward over [batch_size, length] random ids (the best of three): the most this machine
+    pushes through the model per second, which decoding (a few tokens per row per pass) stays below."""
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, length), device=model.device)
+    best = 0.0
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            best = max(best, ids.numel() / (time.perf_counter() - start))
+    return best
+
+
+def cpu_name():
+    """The CPU's model name (lscpu's), or the platform's processor string."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main():
-    shared = {"data": "", "model": "smollm2", "max_new_tokens": 64, "batch_size": 16, "temperature": 1.0}
-    ap = common.parser(__doc__, **shared, dtype="bfloat16", seed=0)
-    ap.add_argument("--num-prompts", type=int, default=8, help="generator prompts (train cases)")
-    ap.add_argument("--samples", type=int, default=4, help="samples per prompt, B (collect's default branching)")
+    ap = common.parser(__doc__, model="smollm2", batch_size=16, max_new_tokens=64, judge_max_new_tokens=64)
+    ap.add_argument("--cases", type=int, default=2, help="train cases in the chunk (default: 2)")
+    ap.add_argument("--branching", default="2,2,2", help="children per node at each level (default: 2,2,2)")
+    ap.add_argument("--arms", default=",".join(ARMS), help="the arms to run, comma separated, in this order")
+    ap.add_argument("--tiny", metavar="DIR", help="a tiny model folder instead of --model: 1 case, 1,2,2, 8 tokens")
+    ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    cases = privact.load_cases(args.data, "train", args.num_prompts)
-    model, tok = privact.load_model(args.model, dtype=getattr(torch, args.dtype))
-    chats = [privact.build_chat("generator", c, []) for c in cases]
-    lengths = [
-        len(x)
-        for x in tok(
-            [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats],
-            add_special_tokens=False,
-        )["input_ids"]
-    ]
-    results = {}
-    for name in ("batched", "per-prompt"):
-        torch.manual_seed(args.seed)
-        start = time.perf_counter()
-        if name == "batched":
-            decoding = privact.Decoding(
-                args.samples, args.max_new_tokens, args.temperature, prefix=privact.P.ACTION_PREFIX, desc="batched"
-            )
-            _, n = privact.generate_batched(model, tok, chats, decoding, args.batch_size)
-        else:
-            n = per_prompt(model, tok, chats, args.samples, args.max_new_tokens, args.temperature)
-        seconds = time.perf_counter() - start
-        results[name] = {"seconds": round(seconds, 2), "generated_tokens": n, "tokens_per_s": round(n / seconds, 1)}
-        print(f"{name:>10}: {n} tokens in {seconds:.1f} s = {n / seconds:.1f} tokens/s", flush=True)
-    ratio = results["batched"]["tokens_per_s"] / results["per-prompt"]["tokens_per_s"]
-    wall_ratio = results["per-prompt"]["seconds"] / results["batched"]["seconds"]
-    print(f"batched / per-prompt: {ratio:.2f}x tokens/s, {wall_ratio:.2f}x less wall time")
-    print(
-        json.dumps(
-            {
-                "bench": "rollout",
-                "args": vars(args),
-                "prompt_tokens": {"min": min(lengths), "max": max(lengths), "mean": round(sum(lengths) / len(lengths))},
-                "threads": torch.get_num_threads(),
-                **results,
-                "ratio_tokens_per_s": round(ratio, 2),
-                "ratio_wall": round(wall_ratio, 2),
-            }
-        )
+    if args.tiny:
+        args.model, args.max_new_tokens, args.judge_max_new_tokens = args.tiny, 8, 8
+        args.cases, args.branching = 1, "1,2,2"
+    arms = args.arms.split(",")
+    branching = privact.parse_ints(args.branching, "--branching", 3)
+    cfg = privact.CollectConfig(
+        model=args.model,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        judge_max_new_tokens=args.judge_max_new_tokens,
+        branching=args.branching,
     )
+    cases = privact.load_cases("", "train", args.cases)
+    chain = privact.Chain(privact.parse_topology(cfg.topology), branching)
+    # collect's --dtype auto
+    cfg = dataclasses.replace(cfg, dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    paths = dict.fromkeys((*chain.roles, "judge"), args.model)
+    models = privact.load_models(paths, cfg)
+    model = models["judge"][0]
+    processed = [0]
+    model.register_forward_pre_hook(
+        lambda module, a, kw: processed.__setitem__(0, processed[0] + kw["input_ids"].numel()), with_kwargs=True
+    )
+    ceiling = forward_ceiling(model, args.batch_size)
+    # an untimed call wakes the process up (allocator, threads, kernels)
+    run_arm("privact", cases[:1], privact.Chain(chain.roles, [1, 1, 1]), models, cfg)
+    results = {}
+    for arm in arms:
+        processed[0] = 0
+        counts = run_arm(arm, cases, chain, models, cfg)
+        seconds = counts["policy_seconds"] + counts["judge_seconds"]
+        tokens = counts["policy_tokens"] + counts["judge_tokens"]
+        results[arm] = {**counts, "seconds_per_1k_tokens": round(1000 * seconds / tokens, 2)}
+        results[arm]["processed_share_of_ceiling"] = round(processed[0] / seconds / ceiling, 3)
+        print(
+            f"{arm:>19}: policy {counts['policy_tokens']} tokens in {counts['policy_seconds']:.1f} s, judge "
+            f"{counts['judge_tokens']} in {counts['judge_seconds']:.1f} s: {1000 * seconds / tokens:.1f} s per 1k "
+            f"tokens; the model processed {processed[0] / seconds:.0f} tokens/s, "
+            f"{results[arm]['processed_share_of_ceiling']:.0%} of {ceiling:.0f}",
+            flush=True,
+        )
+    # each arm against the first (what a user writes), and the prefix groups against prefill-once-per-prompt
+    comparisons = [(arms[0], arm) for arm in arms[1:]]
+    if "privact" in arms and "privact-per-prompt" in arms:
+        comparisons.append(("privact-per-prompt", "privact"))
+    ratios = {}
+    for slower, faster in comparisons:
+        ratio = results[slower]["seconds_per_1k_tokens"] / results[faster]["seconds_per_1k_tokens"]
+        ratios[f"{faster} over {slower}"] = round(ratio, 2)
+        print(f"{faster} over {slower}: {ratio:.2f}x")
+    result = {"bench": "rollout", "args": vars(args), "cpu": cpu_name(), "threads": torch.get_num_threads()}
+    result.update(ceiling_tokens_per_s=round(ceiling), arms=results, speedups=ratios)
+    result["versions"] = privact.provenance()["versions"]
+    if args.json:
+        privact.write_json(args.json, result)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

@@ -3,9 +3,9 @@
 Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
 (real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
 accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast,
---mixed-precision bf16). Printed: wall time of the
-whole training command (model load, reference log-probs, optimisation), pairs/s over that wall
-time, and peak RSS, plus the ratios.
+--mixed-precision bf16). Both hold a frozen reference model beside the policy, as the release's TRL
+run did. Printed: wall time of the whole training command (model load, optimisation), pairs/s over
+that wall time, and peak RSS, plus the ratios.
 
     python benchmarks/bench_train.py
 
@@ -23,8 +23,9 @@ import sys
 import tempfile
 import time
 
-import common  # noqa: E402  (puts privact.py on the path)
-import privact  # noqa: E402
+import common  # noqa: F401  (puts privact.py on the path)
+import privact
+from bench_rollout import cpu_name
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -70,22 +71,21 @@ def run_privact(args, pairs, out):
             str(args.steps),
             "--epochs",
             "1000",
-            "--eval-fraction",
-            "0",
             "--beta",
             "0.4",
             "--lr",
             str(args.lr),
             "--seed",
             "0",
-            "--log-every",
-            "1000",
+            "--save-every",
+            "0",
             "--mixed-precision",
             args.mixed_precision,
             "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
         ]
     )
-    return json.load(open(os.path.join(out, "train_metrics.json")))["train/steps"]
+    with open(os.path.join(out, "train_metrics.json")) as fh:
+        return json.load(fh)["step"]
 
 
 def run_trl(args, pairs, out):
@@ -211,7 +211,8 @@ def main():
             f"peak RSS {r['peak_rss_mb']} MB",
             flush=True,
         )
-    summary = {"bench": "train", "args": vars(args), **results}
+    summary = {"bench": "train", "args": vars(args), "cpu": cpu_name(), **results}
+    summary["versions"] = privact.provenance()["versions"]
     if "trl" in results:
         summary["speedup_pairs_per_s"] = round(results["privact"]["pairs_per_s"] / results["trl"]["pairs_per_s"], 2)
         summary["memory_ratio"] = round(results["privact"]["peak_rss_mb"] / results["trl"]["peak_rss_mb"], 2)

@@ -6,21 +6,18 @@
 #                                                         installed here) and tokenizer/ (the embedded SmolLM2's)
 #   benchmarks/gpu_run.sh run [CARRY] [OUT] [FLAGS...]    on the GPU machine, offline: installs CARRY/wheels into a
 #                                                         private folder, runs bench_gpu.py --paper FLAGS, and writes
-#                                                         OUT (default runs/gpu) /bench_gpu.json, bench_gpu.log and
-#                                                         serve.log
+#                                                         OUT (default runs/gpu) /bench_gpu.json and bench_gpu.log
 #
-# FLAGS go to bench_gpu.py: --tiny runs the same on a CPU in under a minute; --stages train,decode runs some stages.
+# FLAGS go to bench_gpu.py: --tiny runs the same on a CPU in about a minute; --stages train,peers runs some stages.
 # PYVER (default 3.12, the GPU image's Python) is the Python the wheels are for. LIMIT (default 420) is the bench's
 # hard limit in seconds: --paper starts no stage after 330 s, and at LIMIT an interrupt ends the stage in flight.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 carry=${2:-.carry}
-# transformers and the hub client at the versions tested here, and the serving extras with what they need: the image
-# lacks some of these and holds older versions of others
-CARRIED="transformers tokenizers safetensors huggingface-hub hf-xet regex fastapi starlette annotated-doc uvicorn h11
-click openai pydantic pydantic-core annotated-types typing-inspection typing-extensions jiter sniffio anyio httpx2
-httpcore2 truststore idna opentelemetry-api"
+# transformers, accelerate and the hub client at the versions tested here: the image may hold older ones
+CARRIED="transformers tokenizers safetensors huggingface-hub hf-xet regex accelerate tqdm jinja2 markupsafe psutil pyyaml
+packaging filelock fsspec"
 
 case "$mode" in
 prepare)
@@ -50,8 +47,8 @@ sys.path.insert(0, ".")
 import privact
 from transformers import AutoTokenizer
 
-folder, gguf = privact.embedded_model_folder("smollm2")
-AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(sys.argv[1])
+source, gguf = privact.model_source("smollm2")
+AutoTokenizer.from_pretrained(source, **gguf).save_pretrained(sys.argv[1])
 EOF
     du -sh "$carry" | sed 's/^/carried: /'
     ;;
@@ -74,7 +71,7 @@ run)
     } 2>&1 | tee "$out/bench_gpu.log"
     ;;
 *)
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
     ;;
 esac
