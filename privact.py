@@ -1924,6 +1924,8 @@ def prepare_training(run, policy):
     reference = accelerator.prepare_model(reference, evaluation_mode=True)
     accelerator._models.remove(reference)
     precision = f"{weights} weights, mixed precision {accelerator.mixed_precision}"
+    if plugin:
+        precision += f", DeepSpeed ZeRO-{plugin.zero_stage}"
     run.flags = {**dataclasses.asdict(cfg), "num_processes": accelerator.num_processes, "precision": precision}
     if run.resume:
         advice = f"rerun it unchanged, or remove {run.out}.state"
