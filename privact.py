@@ -1909,6 +1909,7 @@ def prepare_training(run, policy):
     cfg, accelerator = run.cfg, run.accelerator
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
+        policy.train()  # transformers checkpoints only in train mode (the paper's backbones have no dropout)
     reference = copy.deepcopy(policy).requires_grad_(False)
     plugin = accelerator.state.deepspeed_plugin
     if plugin:

@@ -2021,6 +2021,32 @@ def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
         assert f"--report-to {missing}" in capsys.readouterr().err
 
 
+def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(tmp_path, tiny_model, monkeypatch):
+    """--gradient-checkpointing (the default) recomputes each layer in the backward pass instead of keeping its
+    activations: per micro-batch every MLP runs three times (the reference, the policy, the recomputation); with
+    --no-gradient-checkpointing twice."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 2)
+    real_forward = LlamaMLP.forward
+    calls = []
+
+    def counted(self, x):
+        calls.append(1)
+        return real_forward(self, x)
+
+    monkeypatch.setattr(LlamaMLP, "forward", counted)
+    runs = {}
+    for flag in ("--gradient-checkpointing", "--no-gradient-checkpointing"):
+        calls.clear()
+        args = train_args(pairs, tmp_path / flag, tiny_model, "--max-steps", "1", "--grad-accum", "1", flag)
+        assert run_cli(*args) == 0
+        runs[flag] = len(calls)
+    assert runs["--no-gradient-checkpointing"] > 0
+    assert 2 * runs["--gradient-checkpointing"] == 3 * runs["--no-gradient-checkpointing"]
+
+
 def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
     """The frozen reference computes each micro-batch as the policy does, under the same autocast, the LM head in
     float32 for both: step 0 is log 2 exactly."""
