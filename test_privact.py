@@ -1196,6 +1196,34 @@ def test_confaide_mean_hand_table():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_embedded_model_is_converted_once_whole_by_racing_processes(tmp_path):
+    """Two processes load the embedded model into an empty cache at once: both get it, one whole transformers folder
+    stays (no draft left), and it holds the GGUF file's own dequantized weights and tokenizer."""
+    needs_smollm2()
+    env = {**os.environ, "HOME": str(tmp_path)}
+    code = "import privact; model, tok = privact.load_model('smollm2'); print(privact.model_source('smollm2'))"
+    racers = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=HERE, env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    folders = {racer.communicate()[0].strip() for racer in racers}
+    assert [racer.returncode for racer in racers] == [0, 0]
+    (folder,) = folders
+    assert os.listdir(tmp_path / ".cache" / "privact") == [Path(folder).name]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    package, module, gguf = privact.EMBEDDED_MODELS["smollm2"]
+    source = privact.importlib.util.find_spec(module).submodule_search_locations[0]
+    direct = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32).state_dict()
+    cached = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert direct.keys() == cached.keys() and all(torch.equal(direct[key], cached[key]) for key in direct)
+    direct_tok = AutoTokenizer.from_pretrained(source, gguf_file=gguf)
+    assert privact.tokenizer_fingerprint(AutoTokenizer.from_pretrained(folder)) == privact.tokenizer_fingerprint(
+        direct_tok
+    )
+
+
 NO_SYSTEM_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -2384,6 +2412,13 @@ def test_confaide_end_to_end_and_resume(tmp_path, tiny_model, capsys, monkeypatc
     assert json.loads((out / "report.json").read_text())["cases"] == report["cases"]
     capsys.readouterr()
     assert run_cli("compare", out, out) == 0 and capsys.readouterr().out.count("FR-E") == 1
+    # the commands that read trees refuse a confaide folder in one line, writing nothing
+    for command, readers in (("judge", "collect or eval"), ("show", "collect or eval"), ("pairs", "collect")):
+        assert run_cli(command, out, *(["--out", tmp_path / "rejudged"] if command == "judge" else [])) == 2
+        assert capsys.readouterr().err.strip().endswith(f"{out}: made by confaide, not by {readers}")
+    assert (
+        not (tmp_path / "rejudged").exists() and not list(out.glob("pairs_*")) and not (out / "summary.json").exists()
+    )
 
 
 def test_confaide_default_budget_and_bad_inputs(tmp_path, tiny_model, capsys):
@@ -2580,6 +2615,11 @@ def test_show_an_eval_names_the_leaked_items(tmp_path, data_file, tiny_model, ca
     assert run_cli("show", out, "--case", record["case"]) == 0
     text = capsys.readouterr().out
     assert text.count("generator ") == 3 and "V=" not in text and text.count("helpfulness") == 3
+    # pairs come from a collect: an eval folder is refused in one line and left as it was
+    before = sorted(path.name for path in out.iterdir())
+    assert run_cli("pairs", out, "--tau", "verifier=0") == 2
+    assert capsys.readouterr().err.strip().endswith(f"{out}: made by eval, not by collect")
+    assert sorted(path.name for path in out.iterdir()) == before
 
 
 def test_judge_again_with_the_runs_own_judge_gives_its_judgments(tmp_path, data_file, tiny_model, monkeypatch, capsys):

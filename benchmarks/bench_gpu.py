@@ -352,8 +352,7 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import AutoTokenizer
 
-    source, gguf = (args.tokenizer, {}) if args.tokenizer else privact.model_source("smollm2")
-    tok = AutoTokenizer.from_pretrained(source, **gguf)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or privact.model_source("smollm2"))
     tok.pad_token = tok.pad_token or tok.eos_token
     policy_shape, judge_shape = (TINY_POLICY, TINY_JUDGE) if args.tiny else (LLAMA_3_2_1B, MISTRAL_7B_V0_2)
     models = {}

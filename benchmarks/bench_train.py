@@ -12,6 +12,11 @@ that wall time, and peak RSS, plus the ratios.
 TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it
 only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
 in memory); pass --trl-precompute to have it precompute reference log-probs instead.
+
+Peak RSS counts what glibc keeps of freed memory. privact's train fixes glibc's mmap threshold at
+1 MB (mallopt), TRL runs with glibc's default; to give both the same allocator setting:
+
+    MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/bench_train.py
 """
 
 import argparse
@@ -123,6 +128,7 @@ def run_trl(args, pairs, out):
         seed=0,
         dataloader_num_workers=0,
         precompute_ref_log_probs=args.trl_precompute,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
     trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
     trainer.train()
@@ -164,7 +170,7 @@ def main():
         "--gradient-checkpointing",
         default=True,
         action=argparse.BooleanOptionalAction,
-        help="privact's --gradient-checkpointing (its default: on); TRL runs with its default (off)",
+        help="gradient checkpointing on both sides (the default of both: privact's flag, TRL's DPOConfig)",
     )
     ap.add_argument(
         "--trl-precompute", action="store_true", help="TRL precomputes reference log-probs (no ref model held)"

@@ -47,8 +47,7 @@ sys.path.insert(0, ".")
 import privact
 from transformers import AutoTokenizer
 
-source, gguf = privact.model_source("smollm2")
-AutoTokenizer.from_pretrained(source, **gguf).save_pretrained(sys.argv[1])
+AutoTokenizer.from_pretrained(privact.model_source("smollm2")).save_pretrained(sys.argv[1])
 EOF
     du -sh "$carry" | sed 's/^/carried: /'
     ;;
