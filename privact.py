@@ -35,7 +35,6 @@ PrivacyLens' action-based evaluation) and LoRA. vLLM is never imported: a judge 
 import argparse
 import concurrent.futures
 import copy
-import ctypes
 import dataclasses
 import functools
 import glob
@@ -1891,11 +1890,6 @@ def start_training(cfg):
     for name in trackers:
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name}: pip install {name}")
-    if sys.platform == "linux":
-        # glibc's dynamic mmap threshold keeps every freed block of up to 32 MB (a layer's activations) for reuse, so
-        # a CPU run's resident memory grows with the activations' churn; fixed at 1 MB (M_MMAP_THRESHOLD = -3), larger
-        # blocks go back to the OS when freed (benchmarks/bench_train.py: peak 4.6 GB -> 3.5 GB, the same speed)
-        ctypes.CDLL(None).mallopt(-3, 2**20)
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision or None,

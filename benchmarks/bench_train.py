@@ -13,8 +13,8 @@ TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports
 only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
 in memory); pass --trl-precompute to have it precompute reference log-probs instead.
 
-Peak RSS counts what glibc keeps of freed memory. privact's train fixes glibc's mmap threshold at
-1 MB (mallopt), TRL runs with glibc's default; to give both the same allocator setting:
+Peak RSS counts what glibc keeps of freed memory for reuse; both run with glibc's defaults. A fixed
+mmap threshold hands large freed blocks back to the OS, for both sides alike:
 
     MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/bench_train.py
 """
