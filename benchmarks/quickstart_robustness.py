@@ -4,7 +4,7 @@ each trained role got, every command's exit status and the minutes it took.
 
 The block is taken from README.md; each `privact.py collect|eval` command gets `--seed S --dtype D`
 and each `privact.py train` gets `--seed S` appended to its first line (the quick start itself
-uses the defaults: seed 0, --dtype auto: float32 on a CPU without bf16 units).
+uses the defaults: seed 0, --dtype auto: float32 on a CPU).
 
     python benchmarks/quickstart_robustness.py --seeds 0,1,2,3,4 --dtypes bfloat16,float32
 """
