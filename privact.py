@@ -1623,7 +1623,7 @@ def create_config(path, flags):
 def read_config(run, commands=("collect", "eval")):
     """A run folder's config.json, the flags that made it, checked to come from one of `commands`."""
     config = read_json(os.path.join(run, "config.json"))
-    command = config["command"].removesuffix("Config").lower()
+    command = config.get("command", "another program").removesuffix("Config").lower()
     if command not in commands:
         raise UsageError(f"{run}: made by {command}, not by {' or '.join(commands)}")
     return config

@@ -2574,6 +2574,16 @@ def test_eval_uses_trained_role_models_and_compares(tmp_path, data_file, tiny_mo
         run_cli(*eval_args(data_file, tmp_path / "x", tiny_model, "--baseline", "vanilla", "--refiner", trained)) == 2
     )
     assert "--refiner: the chain generator runs --model there" in capsys.readouterr().err
+    # a model folder holds a config.json too: show and pairs refuse it in one line
+    for command in ("show", "pairs"):
+        assert run_cli(command, trained) == 2
+        assert (
+            capsys.readouterr()
+            .err.strip()
+            .endswith(
+                f"{trained}: made by another program, not by " + ("collect or eval" if command == "show" else "collect")
+            )
+        )
 
 
 def test_show_a_collect_tree_as_the_method_scores_it(tmp_path, data_file, tiny_model, capsys):
