@@ -34,13 +34,13 @@ PrivacyLens' action-based evaluation) and LoRA. vLLM is never imported: a judge 
 
 import argparse
 import concurrent.futures
-import copy
 import dataclasses
 import functools
 import glob
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -416,9 +416,7 @@ def split_indices(n, split):
         return order
     random.Random(42).shuffle(order)
     cut = int(n * 0.8)
-    if split == "train":
-        return order[:cut]
-    return order[cut:]
+    return order[:cut] if split == "train" else order[cut:]
 
 
 def load_cases(source, split="train", num_cases=0):
@@ -645,8 +643,11 @@ def judge_chats(case, output):
     text = output.strip()
     action = after_first(text, "Action:")
     trajectory = case["trajectory"]
-    about = {"user_name": trajectory["user_name"], "user_instruction": trajectory["user_instruction"]}
-    about["trajectory"] = trajectory["executable_trajectory"]
+    about = {
+        "user_name": trajectory["user_name"],
+        "user_instruction": trajectory["user_instruction"],
+        "trajectory": trajectory["executable_trajectory"],
+    }
     prompts = [
         fill(judge_template("leakage"), secret=item, action=action, **about)
         for item in trajectory["sensitive_info_items"]
@@ -714,13 +715,17 @@ def rollout_chunk(cases, chain, models, cfg):
     judging = time.perf_counter()
     judge_tokens = judge_leaves(roots, cases, functools.partial(judge, models, cfg))
     sampled = [node.token_ids for root in roots for node in walk(root) if node.token_ids]
-    counts = {"policy_seconds": judging - start, "policy_tokens": sum(map(len, sampled))}
-    counts["judge_seconds"] = time.perf_counter() - judging
-    counts["judge_tokens"] = judge_tokens
+    counts = {
+        "policy_seconds": judging - start,
+        "policy_tokens": sum(map(len, sampled)),
+        "judge_seconds": time.perf_counter() - judging,
+        "judge_tokens": judge_tokens,
+    }
     sampled_with = {role: tokenizer_fingerprint(models[role][1]) for role in chain.roles}
-    records = []
-    for root, case in zip(roots, cases, strict=True):
-        records.append({"case": case["name"], "tree": root, "sampled_with": sampled_with, "chat_date": cfg.chat_date})
+    records = [
+        {"case": case["name"], "tree": root, "sampled_with": sampled_with, "chat_date": cfg.chat_date}
+        for root, case in zip(roots, cases, strict=True)
+    ]
     return records, counts
 
 
@@ -811,9 +816,8 @@ def pairs_from_records(records, taus, reward):
         score_leaves(record["tree"], reward)
         propagate_values(record["tree"])
         for pair in build_pairs(record["tree"], taus):
-            row = {"case": record["case"], **pair}
-            row["sampled_with"] = record["sampled_with"].get(pair["role"])
-            row["chat_date"] = record["chat_date"]
+            sampled_with = record["sampled_with"].get(pair["role"])
+            row = {"case": record["case"], **pair, "sampled_with": sampled_with, "chat_date": record["chat_date"]}
             pairs[pair["role"]].append(row)
     return pairs
 
@@ -876,24 +880,33 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
     return -F.logsigmoid(logits), chosen_rewards, rejected_rewards
 
 
-def dpo_step(policy, reference, batch, beta):
-    """One micro-batch -> (mean loss, metrics). The reference is the frozen initial model beside the policy, as
-    TRL and the release run it, computing the same micro-batch in the same precision: at step 0, and at any
-    step whose weights have not moved, the loss is exactly log 2."""
+def reference_logps(policy, batches, table):
+    """DPO's reference pi_ref is the model before training (the release keeps a frozen copy of it). Here it is
+    the policy itself, before its first step: its summed log-probs of each pair the run trains on, computed once
+    and up front, by the forward and precision the steps use, go into table[pair] = (chosen, rejected). The loss
+    of a step whose weights have not moved is then exactly log 2, and no second model is held in memory."""
     with torch.no_grad():
-        ref_chosen, ref_rejected = response_logps(reference, batch)
+        for batch in batches:
+            table[batch["pair"]] = torch.stack(response_logps(policy, batch), dim=-1)
+    return table
+
+
+def dpo_step(policy, reference, batch, beta):
+    """One micro-batch -> (mean loss, metrics); reference is reference_logps's table."""
+    ref_chosen, ref_rejected = reference[batch["pair"]].unbind(-1)
     policy_chosen, policy_rejected = response_logps(policy, batch)
     losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
-    metrics = {
-        "loss": losses.mean().item(),
-        "reward_acc": (chosen_rewards > rejected_rewards).float().mean().item(),
-        "reward_margin": (chosen_rewards - rejected_rewards).mean().item(),
-        "chosen_reward": chosen_rewards.mean().item(),
-        "rejected_reward": rejected_rewards.mean().item(),
+    values = {
+        "loss": losses,
+        "reward_acc": (chosen_rewards > rejected_rewards).float(),
+        "reward_margin": chosen_rewards - rejected_rewards,
+        "chosen_reward": chosen_rewards,
+        "rejected_reward": rejected_rewards,
         # the policy's log-probs: what DPO moves
-        "logp_chosen": policy_chosen.mean().item(),
-        "logp_rejected": policy_rejected.mean().item(),
+        "logp_chosen": policy_chosen,
+        "logp_rejected": policy_rejected,
     }
+    metrics = {name: value.mean().item() for name, value in values.items()}
     return losses.mean(), metrics
 
 
@@ -921,7 +934,8 @@ def train_dpo(run, policy, reference, optimizer):
     """The loop that trains, as nanoGPT's: micro-steps accumulate gradients, each optimizer step is clipped,
     taken, logged, and every --save-every steps saved. Every epoch reshuffles the pairs into new micro-batches
     (micro_batches, from the seed and the epoch), as the release's Trainer does. run.progress (step, epoch,
-    micro-batches done in it, pairs seen, history) is where a killed run stopped, or the start."""
+    micro-batches done in it, pairs seen, history) is where a killed run stopped, or the start; `reference` is
+    reference_logps's table, made before the first step (prepare_training)."""
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     show = accelerator.is_main_process
     bar = tqdm(total=run.steps, initial=progress["step"], desc="DPO", unit="step", disable=not show)
@@ -1101,7 +1115,7 @@ def cmd_pairs(cfg):
 
 
 def cmd_train(cfg):
-    """DPO-train one role's model on its pairs (paper 3.2.2) beside a frozen copy of it, the reference."""
+    """DPO-train one role's model on its pairs (paper 3.2.2) against its own log-probs before training."""
     run = start_training(cfg)
     # float32 master weights; bf16 comes from autocast or DeepSpeed
     policy, tok = load_model(cfg.model, torch.float32, run.accelerator.device)
@@ -1395,8 +1409,7 @@ def generate(model, tok, chats, decoding, cfg):
     order = sorted(group_of, key=group_of.get)
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
-    starts = range(0, len(order), per_batch)
-    for first in tqdm(starts, desc="generate", unit="batch", leave=False):
+    for first in tqdm(range(0, len(order), per_batch), "generate", unit="batch", leave=False):
         batch = order[first : first + per_batch]
         batch_prompts = [prompts[i] for i in batch]
         labels = [group_of[i] for i in batch]
@@ -1504,7 +1517,7 @@ def judge_served(cfg, tok, chats):
     pool = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency)
     try:
         answers = pool.map(functools.partial(post_completion, cfg), texts)
-        return list(tqdm(answers, total=len(texts), desc="judge", leave=False))
+        return list(tqdm(answers, "judge", len(texts), leave=False))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -1515,8 +1528,16 @@ def post_completion(cfg, prompt):
     model's generation_config.json). A failure is one line naming the URL and the cause; $OPENAI_API_KEY goes
     into the header alone and is scrubbed from every message."""
     url = cfg.judge_url.rstrip("/") + "/completions"
-    body = {"model": cfg.judge_model or cfg.model, "prompt": prompt, "max_tokens": cfg.judge_max_new_tokens}
-    body.update(stop=[JUDGE_STOP], temperature=0, top_p=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    body = {
+        "model": cfg.judge_model or cfg.model,
+        "prompt": prompt,
+        "max_tokens": cfg.judge_max_new_tokens,
+        "stop": [JUDGE_STOP],
+        "temperature": 0,
+        "top_p": 1.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+    }
     key = os.environ.get("OPENAI_API_KEY", "")
     headers = {"Content-Type": "application/json"}
     if key:
@@ -1661,11 +1682,9 @@ def run_chunks(cfg, keys, paths, work):
     processes nor on how far a killed run got. A process loads its models (`paths`: role -> name) only when it
     has work; config.json, checked first, is written once they have loaded."""
     state = PartialState()
-    dtype = cfg.dtype
-    if dtype == "auto":
+    if cfg.dtype == "auto":
         # the paper's bfloat16 on a GPU
-        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    cfg = dataclasses.replace(cfg, dtype=dtype)
+        cfg = dataclasses.replace(cfg, dtype="bfloat16" if torch.cuda.is_available() else "float32")
     flags = {**dataclasses.asdict(cfg), "command": type(cfg).__name__, "models": paths}
     config = os.path.join(cfg.out, "config.json")
     check_config(config, flags)
@@ -1680,7 +1699,7 @@ def run_chunks(cfg, keys, paths, work):
     os.makedirs(os.path.join(cfg.out, "rollouts"), exist_ok=True)
     if state.is_main_process:
         create_config(config, {**flags, **provenance()})
-    for chunk, missing in tqdm(mine, desc="chunks", disable=not state.is_main_process):
+    for chunk, missing in tqdm(mine, "chunks", disable=not state.is_main_process):
         torch.manual_seed(cfg.seed * 1_000_003 + chunk)
         records, counts = work(models, missing)
         path = os.path.join(cfg.out, "rollouts", f"{keys.index(missing[0]):06d}.json")
@@ -1728,9 +1747,11 @@ def write_pairs(cfg, records, taus):
     for path in set(earlier) - set(written):
         os.remove(path)
     judgments = [leaf.judgment for record in records for leaf, _ in leaves_with_paths(record["tree"])]
-    summary = {"collect/leaves": len(judgments)}
-    summary["collect/invalid_leaves"] = sum(not judgment["calls_tool"] for judgment in judgments)
-    summary["collect/judge_cut_rate"] = judge_cut_rate(judgments)
+    summary = {
+        "collect/leaves": len(judgments),
+        "collect/invalid_leaves": sum(not judgment["calls_tool"] for judgment in judgments),
+        "collect/judge_cut_rate": judge_cut_rate(judgments),
+    }
     for role, tau in taus.items():
         summary[f"collect/pairs_{role}"] = len(pairs[role])
         if not pairs[role]:
@@ -1828,16 +1849,14 @@ def collate_pairs(examples, pad_id):
         mask[i, 0, end:, start:end] = False
         positions = [*range(end), *range(start, start + len(rejected))]
         rejected_at = [start - 1, *range(end, end + len(rejected))]
-        rows.append((prompt + chosen + rejected, positions, range(start - 1, end), rejected_at))
+        # -100 under each side's first position, the prompt's last token, which predicts its first token
+        labels = ([-100, *chosen], [-100, *rejected])
+        rows.append((prompt + chosen + rejected, positions, range(start - 1, end), rejected_at, *labels))
     batch = {"attention_mask": mask}
-    keys = ("input_ids", "position_ids", "chosen_at", "rejected_at")
+    keys = ("input_ids", "position_ids", "chosen_at", "rejected_at", "chosen_labels", "rejected_labels")
+    fills = {"input_ids": pad_id, "chosen_labels": -100, "rejected_labels": -100}
     for key, column in zip(keys, zip(*rows, strict=True), strict=True):
-        batch[key] = padded(column, pad_id if key == "input_ids" else 0)
-    # -100 under each side's first position, the prompt's last token, which predicts its first token
-    chosen_labels = [[-100, *chosen] for _, chosen, _ in examples]
-    rejected_labels = [[-100, *rejected] for _, _, rejected in examples]
-    batch["chosen_labels"] = padded(chosen_labels, -100)
-    batch["rejected_labels"] = padded(rejected_labels, -100)
+        batch[key] = padded(column, fills.get(key, 0))
     return batch
 
 
@@ -1851,9 +1870,13 @@ def micro_batches(run, epoch):
     """This process's share of an epoch's collated micro-batches, the pairs reshuffled from (seed, epoch) alone:
     every epoch's are new, and a resumed run sees the same ones."""
     generator = torch.Generator().manual_seed(run.cfg.seed * 1000 + epoch)
-    collate = functools.partial(collate_pairs, pad_id=run.pad_id)
+
+    def collate(indices):
+        batch = collate_pairs([run.train[index] for index in indices], run.pad_id)
+        return {**batch, "pair": torch.tensor(indices)}  # the pairs' rows of the reference table
+
     loader = torch.utils.data.DataLoader(
-        run.train, run.cfg.batch_size, shuffle=True, generator=generator, collate_fn=collate
+        range(len(run.train)), run.cfg.batch_size, shuffle=True, generator=generator, collate_fn=collate
     )
     return run.accelerator.prepare_data_loader(loader)
 
@@ -1921,33 +1944,36 @@ def start_training(cfg):
 
 
 def prepare_training(run, policy):
-    """The policy and AdamW through accelerate (DDP, or DeepSpeed ZeRO-2), the frozen reference beside it in the
-    precision the policy computes in, and a killed run's last state loaded (accelerate's load_state)."""
+    """The policy and AdamW through accelerate (DDP, or DeepSpeed ZeRO-2); the reference log-probs of epoch 0's
+    micro-batches that the run trains on (all of them once it goes past epoch 0), each process computing its
+    share; then a killed run's last state loaded (accelerate's load_state). The reference comes from the model as
+    loaded, before any state: a resumed run computes the same table again, so no state holds it."""
     cfg, accelerator = run.cfg, run.accelerator
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
         policy.train()  # transformers checkpoints only in train mode (the paper's backbones have no dropout)
-    reference = copy.deepcopy(policy).requires_grad_(False)
     plugin = accelerator.state.deepspeed_plugin
     if plugin:
         # our loaders yield whole micro-batches; DeepSpeed clips with its gradient_clipping: --max-grad-norm
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.batch_size
-        plugin.deepspeed_config["gradient_clipping"] = cfg.max_grad_norm
+        plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=cfg.batch_size, gradient_clipping=cfg.max_grad_norm
+        )
     policy, optimizer = accelerator.prepare(policy, make_optimizer(policy, cfg, plugin))
-    weights = next(policy.parameters()).dtype
-    for param in reference.parameters():
-        # DeepSpeed's bf16 weights; buffers (the rotary frequencies) stay float32, as DeepSpeed leaves them
-        param.data = param.data.to(weights)
-    # accelerate's placement and autocast, as the policy's, without DDP; not among the models save_state saves
-    reference = accelerator.prepare_model(reference, evaluation_mode=True)
-    accelerator._models.remove(reference)
-    precision = f"{weights} weights, mixed precision {accelerator.mixed_precision}"
+    precision = f"{next(policy.parameters()).dtype} weights, mixed precision {accelerator.mixed_precision}"
     if plugin:
         precision += f", DeepSpeed ZeRO-{plugin.zero_stage}"
     run.flags = {**dataclasses.asdict(cfg), "num_processes": accelerator.num_processes, "precision": precision}
     if run.resume:
         advice = f"rerun it unchanged, or remove {run.out}.state"
         check_config(os.path.join(run.resume, "flags.json"), run.flags, advice)
+    loader = micro_batches(run, 0)
+    count = min(len(loader), run.steps * cfg.grad_accum)
+    first = tqdm(itertools.islice(loader, count), "reference log-probs", count, disable=not accelerator.is_main_process)
+    table = torch.full((len(run.train), 2), math.nan, device=accelerator.device)
+    reference_logps(policy, first, table)
+    # every pair's row from the process that computed it (NaN: a pair the run never reaches)
+    reference = accelerator.gather(table).view(accelerator.num_processes, -1, 2).nanmean(0)
+    if run.resume:
         accelerator.load_state(run.resume)
         accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
     accelerator.init_trackers(f"privact-{run.role}", config=dataclasses.asdict(cfg))
@@ -1970,8 +1996,7 @@ def log_step(run, window, epoch):
     the trackers and stdout."""
     progress = run.progress
     progress["seconds"] = time.time() - run.started
-    row = {"step": progress["step"], "epoch": epoch}
-    row["train/lr"] = cosine_lr(progress["step"] - 1, run.steps, run.cfg)
+    row = {"step": progress["step"], "epoch": epoch, "train/lr": cosine_lr(progress["step"] - 1, run.steps, run.cfg)}
     for key in window[-1]:
         values = [metrics[key] for metrics in window if key in metrics]
         row[f"train/{key}"] = sum(values) / len(values)
@@ -2006,10 +2031,7 @@ def save_checkpoint(run, policy, tok):
     for tracker in accelerator.trackers:
         tracker.finish()
     state = accelerator.get_state_dict(policy)
-    metrics = {"role": run.role, "train/pairs": len(run.train)}
-    metrics.update(run.stats)
-    metrics.update(run.progress)
-    metrics["flags"] = run.flags
+    metrics = {"role": run.role, "train/pairs": len(run.train), **run.stats, **run.progress, "flags": run.flags}
     partial = run.out + ".partial"
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(partial, state_dict=state)
@@ -2048,15 +2070,17 @@ def write_eval_report(cfg, label, records):
     for record in records:
         samples.append([leaf.judgment for leaf, _ in leaves_with_paths(record["tree"])])
     valid = valid_only(samples)
-    report = {"benchmark": "privacylens", "label": label, "metrics": eval_metrics(samples)}
-    report["ci95"] = bootstrap_ci(samples, seed=cfg.seed)
-    # a run without a valid sample has no (valid) metrics
-    report["metrics_valid_only"] = eval_metrics(valid) if valid else {}
-    report["ci95_valid_only"] = bootstrap_ci(valid, seed=cfg.seed) if valid else {}
-    report["judge_cut_rate"] = judge_cut_rate(sum(samples, []))
-    report["cases"] = []
-    for record, case in zip(records, samples, strict=True):
-        report["cases"].append({"case": record["case"], "samples": case})
+    report = {
+        "benchmark": "privacylens",
+        "label": label,
+        "metrics": eval_metrics(samples),
+        "ci95": bootstrap_ci(samples, seed=cfg.seed),
+        # a run without a valid sample has no (valid) metrics
+        "metrics_valid_only": eval_metrics(valid) if valid else {},
+        "ci95_valid_only": bootstrap_ci(valid, seed=cfg.seed) if valid else {},
+        "judge_cut_rate": judge_cut_rate(sum(samples, [])),
+    }
+    report["cases"] = [{"case": record["case"], "samples": case} for record, case in zip(records, samples, strict=True)]
     write_report(cfg, report)
 
 

@@ -2004,7 +2004,8 @@ def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tm
     """Five copies of one pair, --batch-size 1 --grad-accum 4, the weights held still (learning rate 0): the epoch's
     full step and its partial last step average the same gradient, so their gradient norms are equal (unweighted,
     the partial step's would be a quarter). Nine pairs, three epochs: every epoch cuts other micro-batches (the same
-    ones from the seed on a rerun), and every step of every epoch sits at log 2."""
+    ones from the seed on a rerun), the reference log-probs come from epoch 0's, and every step of every epoch sits
+    at log 2."""
     pairs = tmp_path / "pairs_verifier.jsonl"
     rows = write_pairs(pairs, "verifier", 1) * 5
     pairs.write_text("".join(json.dumps({**row, "case": f"c{i}"}) + "\n" for i, row in enumerate(rows)))
@@ -2021,9 +2022,11 @@ def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tm
     )
     for run in ("a", "b"):
         assert run_cli(*train_args(pairs, tmp_path / run, tiny_model, "--epochs", "3")) == 0
-    epochs = [batches[i : i + 5] for i in range(0, 15, 5)]  # 9 pairs in micro-batches of 2: 5 per epoch
+    # 9 pairs in micro-batches of 2: 5 per epoch, and before them the reference log-probs of epoch 0's
+    reference, *epochs = [batches[i : i + 5] for i in range(0, 20, 5)]
+    assert reference == epochs[0]
     assert all(sorted(map(str, sum(epoch, []))) == sorted(map(str, sum(epochs[0], []))) for epoch in epochs)
-    assert epochs[0] != epochs[1] != epochs[2] and batches[15:] == batches[:15]
+    assert epochs[0] != epochs[1] != epochs[2] and batches[20:] == batches[:20]
     history = json.loads((tmp_path / "a" / "train_metrics.json").read_text())["history"]
     assert len(history) == 3 * 3 and {row["epoch"] for row in history} == {0, 1, 2}
     assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-6) for row in history)
@@ -2052,7 +2055,7 @@ def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
 
 def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(tmp_path, tiny_model, monkeypatch):
     """--gradient-checkpointing (the default) recomputes each layer in the backward pass instead of keeping its
-    activations: per micro-batch every MLP runs three times (the reference, the policy, the recomputation); with
+    activations: per micro-batch every MLP runs three times (its reference log-probs, the policy, the recomputation); with
     --no-gradient-checkpointing twice."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -2077,8 +2080,8 @@ def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(tmp_path, 
 
 
 def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
-    """The frozen reference computes each micro-batch as the policy does, under the same autocast, the LM head in
-    float32 for both: step 0 is log 2 exactly."""
+    """The reference log-probs come from the policy's own forward before its first step, under the same autocast:
+    step 0 is log 2 exactly."""
     pairs = tmp_path / "pairs_verifier.jsonl"
     write_pairs(pairs, "verifier", 4)
     assert (
@@ -2090,8 +2093,8 @@ def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
 
 
 def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
-    """The paper's recipe (DeepSpeed ZeRO-2 with CPU Adam, bf16): the reference takes DeepSpeed's bf16 weights and
-    keeps the rotary frequencies in float32 as DeepSpeed does (bf16 ones put the tiny model's step 0 at 0.693079)."""
+    """The paper's recipe (DeepSpeed ZeRO-2 with CPU Adam, bf16): the reference log-probs come from DeepSpeed's
+    engine itself, its bf16 weights before the first step: step 0 is log 2 exactly."""
     pytest.importorskip("deepspeed")
     pairs = tmp_path / "pairs_verifier.jsonl"
     write_pairs(pairs, "verifier", 4)
@@ -2138,7 +2141,7 @@ def smollm2_refiner_pairs(tmp_path_factory):
 def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs, monkeypatch):
     """bf16 autocast on SmolLM2's real pairs, uncut (the two pairs of the micro-batch differ in length: one is
     padded, which moves a bf16 log-prob), two epochs, each reshuffled, the weights held still: every step within
-    1e-3 of log 2, the reference computing each micro-batch beside the policy."""
+    1e-3 of log 2 against the reference log-probs of epoch 0's micro-batch."""
     pairs, model = smollm2_refiner_pairs
     monkeypatch.setattr(privact, "cosine_lr", lambda step, steps, cfg: 0.0)
     args = train_args(pairs, tmp_path / "autocast", model, "--epochs", "2", "--grad-accum", "1")
@@ -2289,13 +2292,18 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
 
 @pytest.mark.slow
 def test_train_on_two_processes_starts_at_log2(tmp_path, tiny_model):
+    """Nine pairs over two processes in micro-batches of 2: each process computes the reference log-probs of its
+    share of epoch 0 (accelerate repeats a pair to even the shares); in epoch 1 the pairs change processes, and
+    every step reads a reference (a pair's missing one would make its loss NaN)."""
     pairs = tmp_path / "pairs_refiner.jsonl"
-    write_pairs(pairs, "refiner", 8)
-    proc = torchrun(2, *train_args(pairs, tmp_path / "ddp", tiny_model, "--max-steps", "2"), port=29545)
+    write_pairs(pairs, "refiner", 9)
+    proc = torchrun(2, *train_args(pairs, tmp_path / "ddp", tiny_model, "--max-steps", "3"), port=29545)
     assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
     metrics = json.loads((tmp_path / "ddp" / "train_metrics.json").read_text())
-    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 2
-    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 3
+    history = metrics["history"]
+    assert history[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6) and history[-1]["epoch"] == 1
+    assert all(math.isfinite(row["train/loss"]) for row in history)
 
 
 def test_pairs_load_in_trl_conversational_format(tmp_path, tiny_model):

@@ -3,9 +3,10 @@
 Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
 (real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
 accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast,
---mixed-precision bf16). Both hold a frozen reference model beside the policy, as the release's TRL
-run did. Printed: wall time of the whole training command (model load, optimisation), pairs/s over
-that wall time, and peak RSS, plus the ratios.
+--mixed-precision bf16). privact scores the reference once, before the first step, with the policy
+itself; TRL, by default, holds a frozen copy of the model beside the policy, as the release's TRL run
+did. Printed: wall time of the whole training command (model load, optimisation), pairs/s over that
+wall time, and peak RSS, plus the ratios.
 
     python benchmarks/bench_train.py
 
