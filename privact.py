@@ -1966,6 +1966,8 @@ def prepare_training(run, policy):
     if run.resume:
         advice = f"rerun it unchanged, or remove {run.out}.state"
         check_config(os.path.join(run.resume, "flags.json"), run.flags, advice)
+    # the clock counts the reference's forward passes: part of what each pair costs
+    run.started = time.time() - run.progress["seconds"]
     loader = micro_batches(run, 0)
     count = min(len(loader), run.steps * cfg.grad_accum)
     first = tqdm(itertools.islice(loader, count), "reference log-probs", count, disable=not accelerator.is_main_process)
@@ -1977,7 +1979,6 @@ def prepare_training(run, policy):
         accelerator.load_state(run.resume)
         accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
     accelerator.init_trackers(f"privact-{run.role}", config=dataclasses.asdict(cfg))
-    run.started = time.time() - run.progress["seconds"]
     return policy, reference, optimizer
 
 

@@ -2055,8 +2055,8 @@ def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
 
 def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(tmp_path, tiny_model, monkeypatch):
     """--gradient-checkpointing (the default) recomputes each layer in the backward pass instead of keeping its
-    activations: per micro-batch every MLP runs three times (its reference log-probs, the policy, the recomputation); with
-    --no-gradient-checkpointing twice."""
+    activations: per micro-batch every MLP runs three times (its reference log-probs, the policy, the
+    recomputation); with --no-gradient-checkpointing twice."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     pairs = tmp_path / "pairs_verifier.jsonl"
