@@ -884,7 +884,8 @@ def reference_logps(policy, batches, table):
     """DPO's reference pi_ref is the model before training (the release keeps a frozen copy of it). Here it is
     the policy itself, before its first step: its summed log-probs of each pair the run trains on, computed once
     and up front, by the forward and precision the steps use, go into table[pair] = (chosen, rejected). The loss
-    of a step whose weights have not moved is then exactly log 2, and no second model is held in memory."""
+    of an epoch-0 step whose weights have not moved is then exactly log 2 (a later epoch pads a pair among others,
+    which moves it by float rounding), and no second model is held in memory."""
     with torch.no_grad():
         for batch in batches:
             table[batch["pair"]] = torch.stack(response_logps(policy, batch), dim=-1)
