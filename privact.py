@@ -123,268 +123,6 @@ class UsageError(Exception):
 
 
 # ----------------------------------------------------------------------------------------------
-# Configs: one per command; the command line is built from them (--help shows every field's text)
-# ----------------------------------------------------------------------------------------------
-
-
-def opt(default, help, bounds="", **argparse_kw):
-    """A config field: its --help text, the interval its values must lie in ("[0, 1]", "(0, inf)") and
-    any argparse keywords. A field typed Literal[...] takes only those values."""
-    return field(default=default, metadata={"help": help, "bounds": bounds, **argparse_kw})
-
-
-@dataclass
-class SamplingConfig:
-    """What every command that generates takes."""
-
-    model: str = opt(
-        "smollm2",
-        "the model of every role: a short name (smollm2: SmolLM2-135M-Instruct, embedded in a pip package), "
-        "a hub id or a local folder",
-    )
-    max_new_tokens: int = opt(
-        1000,
-        "the generation budget of each agent output, in tokens (the paper's 1000); a cut output is recorded",
-        "[1, inf)",
-    )
-    temperature: float = opt(
-        1.0, "the sampling temperature where outputs are sampled (the paper's 1.0; no top-k, no top-p)", "(0, inf)"
-    )
-    batch_size: int = opt(
-        16, "sequences per generate call (prompts x samples); lower it after an out-of-memory error", "[1, inf)"
-    )
-    chunk_cases: int = opt(
-        8,
-        "cases rolled out together and written as one file: what a killed run redoes, and each process's share",
-        "[1, inf)",
-    )
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt(
-        "auto", "the weights' precision in generation; auto: the paper's bfloat16 on a GPU, float32 on a CPU"
-    )
-    chat_date: str = opt(
-        CHAT_DATE, "the date every chat template that prints one renders (Llama 3.x), never the clock's"
-    )
-    seed: int = opt(
-        0, "the sampling seed; each chunk of cases reseeds from it and its index, whatever the number of processes"
-    )
-
-
-@dataclass
-class JudgeFlags:
-    """The judge of collect, eval and judge."""
-
-    judge_model: str = opt(
-        "",
-        "the judge: a short name, hub id or folder (default: --model); the paper's judge is "
-        "mistralai/Mistral-7B-Instruct-v0.2",
-    )
-    judge_url: str = opt(
-        "",
-        "a judge on a server: the base URL of an OpenAI-compatible server (vLLM, SGLang, TGI, transformers "
-        "serve) serving --judge-model; an API key comes from $OPENAI_API_KEY",
-    )
-    judge_concurrency: int = opt(
-        256, "with --judge-url: requests in flight at once, for the server to batch", "[1, inf)"
-    )
-    judge_verdict: Literal["generated", "forced"] = opt(
-        "generated",
-        "generated: the judge writes its verdict greedily, as the release ran it; forced, for a small judge "
-        "(the quick start): 'Answer: ' is written for it and its verdict word drawn at --temperature",
-    )
-    judge_max_new_tokens: int = opt(
-        1000,
-        "tokens per generated verdict (the release's 1000); a verdict cut short reads as no leak and Poor",
-        "[1, inf)",
-    )
-
-
-@dataclass
-class RolloutConfig(SamplingConfig, JudgeFlags):
-    """What collect and eval share: the cases, the chain of agents and the judge."""
-
-    data: str = opt(
-        "", "a PrivacyLens main_data.json: a JSON list of cases (default: the copy bundled in data/privacylens)"
-    )
-    split: Literal["train", "test", "all"] = opt(
-        "train", "the cases: the release's split (random.seed(42)) holds 394 train and 99 test cases"
-    )
-    num_cases: int = opt(
-        0,
-        "the first N cases of the split, 0 for all of them; a rerun with more cases adds the missing ones",
-        "[0, inf)",
-    )
-    topology: str = opt(
-        "generator,verifier,refiner",
-        f"the chain of agent roles, comma separated; roles: {', '.join(NEEDS)} (each after those it reads)",
-    )
-    prompt: Literal["naive", "privacy_enhanced"] = opt(
-        "naive", "the system line of every role: naive, or privacy_enhanced (the PPE baseline's, paper B.2)"
-    )
-
-
-@dataclass
-class RewardConfig:
-    """LC-ARS (Eq. 1) and the pairs' thresholds (3.2.2): collect and pairs take them."""
-
-    tau: str = opt(
-        "verifier=0.5,refiner=0.5",
-        "role=threshold in [-1, 1], comma separated (the paper's tau_2, tau_3): the roles named get pairs",
-    )
-    b1: float = opt(
-        0.0,
-        "Eq. 1's b1, inside the leak regime's clamp as printed; the release's code adds it with the other "
-        "sign, so its b1 = x is --b1 -x",
-        "[-1, 1]",
-    )
-    b2: float = opt(
-        0.3,
-        "Eq. 1's b2, the reward of an action that leaks nothing and helps nothing (the release hard-codes 0.45)",
-        "[0, 1]",
-    )
-    lcars_alpha: float = opt(
-        0.5,
-        "Eq. 1's alpha, the exponent on the leaked share L of the case's sensitive items (collect's, not DPO's)",
-        "[0, inf)",
-    )
-    lcars_beta: float = opt(
-        2.0, "Eq. 1's beta, the exponent on the helpfulness H (train's --beta is DPO's)", "[0, inf)"
-    )
-
-
-@dataclass
-class CollectConfig(RolloutConfig, RewardConfig):
-    out: str = opt(
-        "runs/collect", "the run folder: config.json, rollouts/ (one file per chunk), pairs_<role>.jsonl, summary.json"
-    )
-    branching: str = opt(
-        "4,4,4", "children per node at each level of the chain, comma separated (the paper's B_1,B_2,B_3)"
-    )
-
-
-@dataclass
-class PairsConfig(RewardConfig):
-    run: str = opt(
-        "",
-        "a finished collect folder; its pairs and summary are built again from its stored judgments",
-        positional=True,
-    )
-
-
-@dataclass
-class TrainConfig:
-    pairs: str = opt(
-        "", "the pairs_<role>.jsonl that collect or pairs wrote: per line a case, role, prompt, chosen and rejected"
-    )
-    model: str = opt(
-        "smollm2", "the base model to fine-tune and the frozen reference: a short name, a hub id or a local folder"
-    )
-    out: str = opt(
-        "",
-        "the checkpoint folder, written whole at the end (default: <the pairs' folder>/<role>); state in <out>.state",
-    )
-    beta: float = opt(
-        0.4, "DPO's beta, the strength of the pull towards the reference (the released config's 0.4)", "(0, inf)"
-    )
-    lr: float = opt(
-        5e-7, "the peak learning rate of AdamW (the released config's 5e-7; the paper's text says 5e-5)", "(0, inf)"
-    )
-    batch_size: int = opt(
-        8,
-        "pairs per process in a micro-batch; lower it (and raise --grad-accum) after an out-of-memory error",
-        "[1, inf)",
-    )
-    grad_accum: int = opt(
-        4, "micro-batches per optimizer step (8 x 4 = the paper's 32); an epoch's last step may take fewer", "[1, inf)"
-    )
-    epochs: int = opt(
-        0, "epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)", "[0, inf)"
-    )
-    max_steps: int = opt(
-        0, "stop after this many optimizer steps, 0 for no cap; the schedule spans the steps that run", "[0, inf)"
-    )
-    warmup_ratio: float = opt(
-        0.1, "the share of optimizer steps with a linear warmup before the cosine decay (0: none)", "[0, 1]"
-    )
-    max_grad_norm: float = opt(
-        1.0, "the gradient clipping norm, 0 for none; under DeepSpeed it is its gradient_clipping", "[0, inf)"
-    )
-    max_length: int = opt(
-        4096, "the most tokens of a prompt and its longer response; a longer pair is left out (and counted)", "[1, inf)"
-    )
-    mixed_precision: Literal["", "no", "bf16"] = opt(
-        "", "bf16: autocast over float32 weights (default: accelerate launch's --mixed_precision, else no)"
-    )
-    gradient_checkpointing: bool = opt(
-        True, "recompute activations in the backward pass", action=argparse.BooleanOptionalAction
-    )
-    save_every: int = opt(
-        50,
-        "optimizer steps between resumable states in <out>.state, 0 for none; a rerun resumes from the last",
-        "[0, inf)",
-    )
-    report_to: str = opt(
-        "", "trackers of the training curves, comma separated: tensorboard, wandb, trackio, mlflow, ..."
-    )
-    seed: int = opt(0, "the seed of the data order (each epoch's reshuffle too) and of anything random in the model")
-
-
-@dataclass
-class EvalConfig(RolloutConfig):
-    split: Literal["train", "test", "all"] = opt(
-        "test", "the cases: test holds the 99 held-out ones of the release's split (random.seed(42))"
-    )
-    out: str = opt(
-        "runs/eval",
-        "the output folder: config.json, rollouts/ (one file per chunk) and report.json, all samples' judgments",
-    )
-    k: int = opt(
-        10, "samples per case: branching K,1,1 (the first agent samples, the others decode greedily)", "[1, inf)"
-    )
-    baseline: Literal["", "vanilla", "ppe", "vanilla-gvr", "ppe-gvr", "aifc"] = opt(
-        "",
-        "a baseline's chain and prompts in place of --topology and --prompt: vanilla and ppe (the generator "
-        "alone), vanilla-gvr and ppe-gvr (the release's generator -> verifier -> refiner of --model), aifc",
-    )
-    generator: str = opt(
-        "",
-        "the generator's model, e.g. a trained checkpoint folder: one model per role, as the paper (default: --model)",
-    )
-    verifier: str = opt(
-        "", "the verifier's model, e.g. train's checkpoint folder: with --refiner the paper's V+R (default: --model)"
-    )
-    refiner: str = opt(
-        "", "the refiner's model, e.g. train's checkpoint folder: alone the paper's R-only (default: --model)"
-    )
-    label: str = opt(
-        "", "the name in compare's table and Figure 2 (default: the baseline, or the roles given: V, R, V+R, base)"
-    )
-
-
-@dataclass
-class ConfaideConfig(SamplingConfig):
-    data: str = opt(
-        "",
-        "a folder holding tier_3.json and tier_4.json, as data/confaide/convert.py makes them (default: data/confaide)",
-    )
-    out: str = opt(
-        "runs/confaide", "the output folder: config.json, rollouts/ (one file per chunk) and report.json, every answer"
-    )
-    max_new_tokens: int = opt(
-        256, "the generation budget of each answer, in tokens (answers are sampled at --temperature)", "[1, inf)"
-    )
-    tiers: str = opt(
-        "3,4", "the tiers to run, comma separated: tier 3's scenarios (FR, IA, PS), tier 4's meetings (MS, AI)"
-    )
-    num_cases: int = opt(
-        0, "the first N items of each tier, 0 for all of them (270 scenarios, 20 meetings)", "[0, inf)"
-    )
-    samples: int = opt(
-        10, "sampled answers per prompt (ConfAIde's 10); an item's error rate is over its samples", "[1, inf)"
-    )
-    label: str = opt("", "the name in compare's table (default: the model's folder name, or its short name or hub id)")
-
-
-# ----------------------------------------------------------------------------------------------
 # Data: PrivacyLens cases and the released train/test split
 # ----------------------------------------------------------------------------------------------
 
@@ -485,12 +223,16 @@ def latest(path, roles):
 def critiques_since_draft(path):
     """The verifier outputs written after the latest draft, in order (paper 3.2.1: each agent conditions on
     every response before it): one as it is, several numbered (deeper chains, Table 3); '' when none."""
-    drafts = [i for i, (role, _) in enumerate(path) if role in DRAFT_ROLES]
-    since = drafts[-1] + 1 if drafts else 0
+    since = 0
+    for index, (role, _) in enumerate(path):
+        if role in DRAFT_ROLES:
+            since = index + 1
     critiques = [output for role, output in path[since:] if role == "verifier"]
     if len(critiques) == 1:
         return critiques[0]
-    numbered = [P.NUMBERED_CRITIQUE.format(n=n, text=text) for n, text in enumerate(critiques, 1)]
+    numbered = []
+    for n, text in enumerate(critiques, 1):
+        numbered.append(P.NUMBERED_CRITIQUE.format(n=n, text=text))
     return "\n\n".join(numbered)
 
 
@@ -581,16 +323,22 @@ def rollout(cases, chain, sample):
     greedy, as the release's get_sampling_params). Returns the roots."""
     roots = [Node("input", []) for _ in cases]
     # the nodes the next level grows from, each with its case and the path of outputs above it
-    frontier = [(root, case, []) for root, case in zip(roots, cases, strict=True)]
+    frontier = []
+    for root, case in zip(roots, cases, strict=True):
+        frontier.append((root, case, []))
     for role, width in zip(chain.roles, chain.branching, strict=True):
-        chats = [build_chat(role, case, path, chain.variant) for _, case, path in frontier]
+        chats = []
+        for _, case, path in frontier:
+            chats.append(build_chat(role, case, path, chain.variant))
         completions = sample(role, chats, width)
         next_frontier = []
         for (parent, case, path), chat, samples in zip(frontier, chats, completions, strict=True):
             for text, token_ids, finish in samples:
                 child = Node(role, chat, text, token_ids=token_ids, finish=finish)
                 parent.children.append(child)
-                next_frontier.append((child, case, [*path, (role, text)]))
+                # the next agents read the output stripped, as the release's generate_model_response passes it on
+                child_path = [*path, (role, text.strip())]
+                next_frontier.append((child, case, child_path))
         frontier = next_frontier
     return roots
 
@@ -679,31 +427,43 @@ def help_verdict(text):
     return 0
 
 
+class Verdict(NamedTuple):
+    """The judge's answer to one chat: its text, how it ended ("stop", or "cut" at --judge-max-new-tokens) and the
+    tokens it took."""
+
+    text: str
+    finish: str
+    tokens: int
+
+
 def judge_leaves(roots, cases, judge):
-    """Set `judgment` on every leaf of each case's tree: the judge_chats of all leaves go through two batched
-    calls judge(chats, words) -> [(text, finish, tokens)], the leak chats and the helpfulness chats, `words` the
-    verdict words they ask for (the judge loaded here, or a served one). Returns the judge's tokens."""
+    """Set `judgment` on every leaf of each case's tree. The judge_chats of all leaves go through two batched calls
+    judge(chats, kind) -> [Verdict], the leak chats ("leak") and the helpfulness chats ("help"), to the judge loaded
+    here or a served one. Returns the judge's tokens."""
     leaves = []
     for root, case in zip(roots, cases, strict=True):
-        leaves += [(leaf, case) for leaf, _ in leaves_with_paths(root)]
+        for leaf, _ in leaves_with_paths(root):
+            leaves.append((leaf, case))
     chats = [judge_chats(case, leaf.output) for leaf, case in leaves]
+    # per leaf: one leak chat per sensitive item, then its helpfulness chat
     leak_chats = [chat for leaf_chats in chats for chat in leaf_chats[:-1]]
     help_chats = [leaf_chats[-1] for leaf_chats in chats]
-    leak_verdicts = judge(leak_chats, ("Yes", "No"))
-    help_verdicts = judge(help_chats, HELP_SCALE)
-    leak_answers = iter(leak_verdicts)
+    leak_verdicts = judge(leak_chats, "leak")
+    help_verdicts = judge(help_chats, "help")
+    first = 0
     for (leaf, case), leaf_chats, help_answer in zip(leaves, chats, help_verdicts, strict=True):
-        answers = [next(leak_answers) for _ in leaf_chats[:-1]] + [help_answer]
-        texts = [text for text, _, _ in answers]
+        last = first + len(leaf_chats) - 1
+        verdicts = [*leak_verdicts[first:last], help_answer]
+        first = last
         leaf.judgment = {
             "calls_tool": calls_case_tool(case, leaf.output),
-            "leaks": [leak_verdict(text) for text in texts[:-1]],
-            "helpfulness": help_verdict(texts[-1]),
-            "judge_outputs": texts,
-            # per verdict: "stop", or "cut" at --judge-max-new-tokens
-            "judge_finish": [finish for _, finish, _ in answers],
+            "leaks": [leak_verdict(verdict.text) for verdict in verdicts[:-1]],
+            "helpfulness": help_verdict(help_answer.text),
+            "judge_outputs": [verdict.text for verdict in verdicts],
+            "judge_finish": [verdict.finish for verdict in verdicts],
         }
-    return sum(tokens for _, _, tokens in leak_verdicts + help_verdicts)
+    all_verdicts = leak_verdicts + help_verdicts
+    return sum(verdict.tokens for verdict in all_verdicts)
 
 
 def rollout_chunk(cases, chain, models, cfg):
@@ -711,7 +471,8 @@ def rollout_chunk(cases, chain, models, cfg):
     (role: tokenizer_fingerprint), "chat_date"}, the chunk's counts: the policy's and the judge's seconds and
     tokens)."""
     start = time.perf_counter()
-    roots = rollout(cases, chain, functools.partial(sample_role, models, cfg))
+    sample = functools.partial(sample_role, models, cfg)
+    roots = rollout(cases, chain, sample)
     judging = time.perf_counter()
     judge_tokens = judge_leaves(roots, cases, functools.partial(judge, models, cfg))
     sampled = [node.token_ids for root in roots for node in walk(root) if node.token_ids]
@@ -721,11 +482,12 @@ def rollout_chunk(cases, chain, models, cfg):
         "judge_seconds": time.perf_counter() - judging,
         "judge_tokens": judge_tokens,
     }
-    sampled_with = {role: tokenizer_fingerprint(models[role][1]) for role in chain.roles}
-    records = [
-        {"case": case["name"], "tree": root, "sampled_with": sampled_with, "chat_date": cfg.chat_date}
-        for root, case in zip(roots, cases, strict=True)
-    ]
+    sampled_with = {}
+    for role in chain.roles:
+        sampled_with[role] = tokenizer_fingerprint(models[role][1])
+    records = []
+    for root, case in zip(roots, cases, strict=True):
+        records.append({"case": case["name"], "tree": root, "sampled_with": sampled_with, "chat_date": cfg.chat_date})
     return records, counts
 
 
@@ -756,13 +518,13 @@ def lcars_reward(L, H, b1=0.0, b2=0.3, alpha=0.5, beta=2.0):
 
 
 def score_leaves(root, reward):
-    """V_N(r_N) = R(r_N): Eq. 1 on every leaf's judgment, in place; `reward` holds b1, b2, lcars_alpha, lcars_beta."""
+    """V_N(r_N) = R(r_N): reward(L, H), Eq. 1 with the run's b1, b2, alpha and beta (lcars_of), on every leaf's
+    judgment, in place."""
     for leaf, _ in leaves_with_paths(root):
         leaks = leaf.judgment["leaks"]
+        leaked_share = sum(leaks) / len(leaks)
         helpfulness = leaf.judgment["helpfulness"] / 3
-        leaf.value = lcars_reward(
-            sum(leaks) / len(leaks), helpfulness, reward.b1, reward.b2, reward.lcars_alpha, reward.lcars_beta
-        )
+        leaf.value = reward(leaked_share, helpfulness)
 
 
 def propagate_values(root):
@@ -808,23 +570,81 @@ def build_pairs(root, taus):
 
 
 def pairs_from_records(records, taus, reward):
-    """{role: pairs} of a run's records: Eq. 1 at the leaves, values propagated, pairs built, every tree
-    scored in place once (values, diagnostics and show read the same trees). Each pair records its case, the
+    """{role: pairs} of a run's records: Eq. 1 at the leaves (reward(L, H)), values propagated, pairs built, every
+    tree scored in place once (values, diagnostics and show read the same trees). Each pair records its case, the
     tokenizer that sampled it and the chat date it was rendered on."""
     pairs = {role: [] for role in taus}
     for record in records:
-        score_leaves(record["tree"], reward)
-        propagate_values(record["tree"])
-        for pair in build_pairs(record["tree"], taus):
-            sampled_with = record["sampled_with"].get(pair["role"])
+        tree = record["tree"]
+        score_leaves(tree, reward)
+        propagate_values(tree)
+        for pair in build_pairs(tree, taus):
+            role = pair["role"]
+            sampled_with = record["sampled_with"].get(role)
             row = {"case": record["case"], **pair, "sampled_with": sampled_with, "chat_date": record["chat_date"]}
-            pairs[pair["role"]].append(row)
+            pairs[role].append(row)
     return pairs
 
 
 # ----------------------------------------------------------------------------------------------
-# DPO (Rafailov et al. 2023): log-probabilities, the loss, one step, the schedule, the loop that trains
+# DPO (Rafailov et al. 2023): packed rows, log-probabilities, the reference, the loss, the loop that trains
 # ----------------------------------------------------------------------------------------------
+
+
+def collate_pairs(examples, pad_id):
+    """B pairs (prompt, chosen, rejected token ids) -> one right-padded batch of packed rows [prompt | chosen |
+    rejected]: the prompt, most of a PrivacyLens sequence, goes through the model once for both responses. The
+    rejected tokens' positions restart after the prompt and the mask hides the chosen tokens from them, so each
+    response is scored as if it followed the prompt alone (response_logps). {side}_at holds the positions whose hidden
+    states score a side, the prompt's last token and then the side's tokens; {side}_labels the tokens there, -100 at
+    the prompt's last token, which only predicts the side's first token. With prompt [p0 p1], chosen [c0] and
+    rejected [r0 r1]:
+
+        input_ids       p0  p1  c0  r0  r1          chosen_at    1  2       chosen_labels    -100  c0
+        position_ids     0   1   2   2   3          rejected_at  1  3  4    rejected_labels  -100  r0  r1
+
+        attention_mask      p0  p1  c0  r0  r1      (1: the row's token attends to the column's)
+                        p0   1   0   0   0   0
+                        p1   1   1   0   0   0
+                        c0   1   1   1   0   0
+                        r0   1   1   0   1   0
+                        r1   1   1   0   1   1
+
+    -> input_ids, position_ids [B, T]; attention_mask bool [B, 1, T, T]; {side}_at, {side}_labels [B, R + 1]. Padding
+    holds pad_id, position 0 and label -100; a padded position attends causally and is never read."""
+    rows = []
+    for prompt, chosen, rejected in examples:
+        start = len(prompt)
+        end = start + len(chosen)
+        row = {
+            "input_ids": prompt + chosen + rejected,
+            "position_ids": [*range(end), *range(start, start + len(rejected))],
+            "chosen_at": [*range(start - 1, end)],
+            "rejected_at": [start - 1, *range(end, end + len(rejected))],
+            "chosen_labels": [-100, *chosen],
+            "rejected_labels": [-100, *rejected],
+        }
+        rows.append(row)
+    fills = {"input_ids": pad_id, "chosen_labels": -100, "rejected_labels": -100}
+    batch = {}
+    for key in rows[0]:
+        column = [row[key] for row in rows]
+        batch[key] = padded(column, fills.get(key, 0))
+    width = batch["input_ids"].shape[1]
+    mask = torch.ones(len(rows), 1, width, width, dtype=torch.bool).tril()
+    for i, (prompt, chosen, _) in enumerate(examples):
+        start = len(prompt)
+        end = start + len(chosen)
+        # the rejected tokens (and the padding after them) do not see the chosen ones
+        mask[i, 0, end:, start:end] = False
+    batch["attention_mask"] = mask
+    return batch
+
+
+def padded(rows, value):
+    """Lists of ints -> [B, longest], right-padded with `value`."""
+    tensors = [torch.tensor(row) for row in rows]
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
 
 
 def sequence_logps(logits, labels):
@@ -844,16 +664,9 @@ def sequence_logps(logits, labels):
 
 
 def response_logps(model, batch):
-    """Summed log-probs of a batch's responses -> (chosen [B], rejected [B]), through sequence_logps.
-
-    A row packs one pair as [prompt | chosen | rejected] (collate_pairs): the prompt, most of a PrivacyLens
-    sequence, goes through the model once for both responses. The rejected tokens' positions restart after the
-    prompt and the mask hides the chosen tokens from them, so each response is scored as if it followed the
-    prompt alone. Only the hidden states that score a response go through the LM head: {side}_at [B, R + 1]
-    holds the positions of the prompt's last token and of the response's tokens, {side}_labels [B, R + 1] the
-    tokens there (-100 at the prompt's token and in padding), so sequence_logps's shift scores each response
-    token from the position before it, and no [B, T, V] logits exist.
-    """
+    """Summed log-probs of a batch's responses -> (chosen [B], rejected [B]), through sequence_logps, from the packed
+    rows of collate_pairs. Only the hidden states that score a response go through the LM head ({side}_at), so no
+    [B, T, V] logits exist."""
     hidden = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
@@ -866,9 +679,27 @@ def response_logps(model, batch):
     sums = []
     for side in ("chosen", "rejected"):
         at = batch[f"{side}_at"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # [B, R + 1, H]
-        logits = lm_head(hidden.gather(1, at).to(lm_head.weight.dtype))  # [B, R + 1, V]
+        scored = hidden.gather(1, at).to(lm_head.weight.dtype)
+        logits = lm_head(scored)  # [B, R + 1, V]
         sums.append(sequence_logps(logits, batch[f"{side}_labels"]))
     return sums
+
+
+def reference_logps(policy, steps):
+    """DPO's reference pi_ref, the model before training, scored before the first step: its summed log-probs of every
+    micro-batch this process will train on, in every epoch, in the order it trains on them (steps: optimizer_steps)
+    -> one [B, 2] tensor (chosen, rejected) per micro-batch. Each is scored on the same rows, with the same padding,
+    precision and forward as the step that trains on it, so a step whose weights have not moved sits at log 2 exactly
+    (in bf16 too, where a pair padded among other pairs moves by up to a tenth of a nat). That is the forward the
+    release's frozen copy runs beside the policy at every micro-batch, without holding the copy. Each process scores
+    the micro-batches it trains on, so nothing is merged across processes."""
+    reference = []
+    with torch.no_grad():
+        for _, _, micro_batches, _ in steps:
+            for batch in micro_batches:
+                chosen, rejected = response_logps(policy, batch)
+                reference.append(torch.stack([chosen, rejected], dim=-1))
+    return reference
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
@@ -880,21 +711,9 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
     return -F.logsigmoid(logits), chosen_rewards, rejected_rewards
 
 
-def reference_logps(policy, batches, table):
-    """DPO's reference pi_ref is the model before training (the release keeps a frozen copy of it). Here it is
-    the policy itself, before its first step: its summed log-probs of each pair the run trains on, computed once
-    and up front, by the forward and precision the steps use, go into table[pair] = (chosen, rejected). The loss
-    of an epoch-0 step whose weights have not moved is then exactly log 2 (a later epoch pads a pair among others,
-    which moves it by float rounding), and no second model is held in memory."""
-    with torch.no_grad():
-        for batch in batches:
-            table[batch["pair"]] = torch.stack(response_logps(policy, batch), dim=-1)
-    return table
-
-
-def dpo_step(policy, reference, batch, beta):
-    """One micro-batch -> (mean loss, metrics); reference is reference_logps's table."""
-    ref_chosen, ref_rejected = reference[batch["pair"]].unbind(-1)
+def dpo_step(policy, batch, reference, beta):
+    """One micro-batch -> (mean loss, metrics); reference: its [B, 2] reference log-probs (reference_logps)."""
+    ref_chosen, ref_rejected = reference.unbind(-1)
     policy_chosen, policy_rejected = response_logps(policy, batch)
     losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
     values = {
@@ -922,61 +741,59 @@ def cosine_lr(step, steps, cfg):
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def accumulation_weight(index, n_batches, grad_accum):
-    """The factor on the loss of micro-batch `index` (0-based, of this process's `n_batches` in the epoch) that
-    makes each optimizer step's gradient the mean over the micro-batches it accumulated, as transformers'
-    Trainer (the release's, through TRL) divides by the number it accumulated: accelerate divides every loss by
-    --grad-accum, which would give an epoch's last, partial step r / --grad-accum of its gradient."""
-    step_start = index // grad_accum * grad_accum
-    return grad_accum / min(grad_accum, n_batches - step_start)
-
-
-def train_dpo(run, policy, reference, optimizer):
-    """The loop that trains, as nanoGPT's: micro-steps accumulate gradients, each optimizer step is clipped,
-    taken, logged, and every --save-every steps saved. Every epoch reshuffles the pairs into new micro-batches
-    (micro_batches, from the seed and the epoch), as the release's Trainer does. run.progress (step, epoch,
-    micro-batches done in it, pairs seen, history) is where a killed run stopped, or the start; `reference` is
-    reference_logps's table, made before the first step (prepare_training)."""
-    cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
-    show = accelerator.is_main_process
-    bar = tqdm(total=run.steps, initial=progress["step"], desc="DPO", unit="step", disable=not show)
-    # the micro-batches of the optimizer step under way
-    window = []
-    for epoch in range(progress["epoch"], run.epochs):
-        loader = micro_batches(run, epoch)
-        for index, batch in enumerate(loader):
-            if index < progress["batches"]:
-                continue  # done before the run was killed
-            weight = accumulation_weight(index, len(loader), cfg.grad_accum)
+def train_dpo(run, policy, optimizer, reference):
+    """The loop that trains, in nanoGPT's shape: for each optimizer step, the gradients of its micro-batches
+    accumulate, then the step is clipped, taken, logged and, every --save-every steps, saved. optimizer_steps
+    reshuffles the pairs into new micro-batches every epoch, from the seed and the epoch, as the release's Trainer
+    does, and starts where a killed run stopped. `reference`: reference_logps's tensors, one per micro-batch, in the
+    order the micro-batches come here."""
+    cfg, accelerator = run.cfg, run.accelerator
+    references = iter(reference)
+    for step, epoch, micro_batches, size in optimizer_steps(run, "DPO"):
+        lr = cosine_lr(step, run.steps, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # accelerate divides each loss by --grad-accum; a step of fewer micro-batches (an epoch's last) scales them
+        # back, so every step's gradient is the mean over its micro-batches, as transformers' Trainer makes it
+        weight = cfg.grad_accum / size
+        window = []
+        for batch in micro_batches:
+            # no DDP all-reduce before the step's last micro-batch; under DeepSpeed that backward clips and steps
             with accelerator.accumulate(policy):
-                loss, metrics = dpo_step(policy, reference, batch, cfg.beta)
+                loss, metrics = dpo_step(policy, batch, next(references), cfg.beta)
                 accelerator.backward(loss * weight)
-                if accelerator.sync_gradients and cfg.max_grad_norm > 0:
-                    metrics["grad_norm"] = float(accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm))
-                for group in optimizer.param_groups:
-                    group["lr"] = cosine_lr(progress["step"], run.steps, cfg)
-                optimizer.step()
-                optimizer.zero_grad()
-            window.append(metrics)
-            progress["batches"] = index + 1
-            progress["pairs"] += len(batch["input_ids"]) * accelerator.num_processes
-            if not accelerator.sync_gradients:
-                continue
-            progress["step"] += 1
-            log_step(run, window, epoch)
-            bar.update(1)
-            window = []
-            if progress["step"] == run.steps:
-                return
-            if cfg.save_every and progress["step"] % cfg.save_every == 0:
-                save_state(run)
-        progress["epoch"] = epoch + 1
-        progress["batches"] = 0
+            window.append({**metrics, "pairs": len(batch["input_ids"])})
+        assert accelerator.sync_gradients, f"step {step}: its last micro-batch did not synchronize the gradients"
+        grad_norm = None
+        if cfg.max_grad_norm > 0:
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        log_step(run, epoch, lr, grad_norm, window)
+        steps_done = run.progress["step"]
+        if cfg.save_every and steps_done % cfg.save_every == 0 and steps_done < run.steps:
+            save_state(run)
 
 
 # ----------------------------------------------------------------------------------------------
 # 4.2 Evaluation metrics
 # ----------------------------------------------------------------------------------------------
+
+
+def eval_chain(baseline, topology, variant, k, trained):
+    """The chain the paper evaluates (4.2): a baseline's chain and prompts (BASELINES), else `topology` with the
+    system lines `variant`, with branching K,1,1 (the release's test_MA.py [N, 1, 1]: the first agent samples, the
+    others decode greedily). `trained`: the roles a trained checkpoint plays."""
+    if baseline:
+        topology, variant = BASELINES[baseline]
+    roles = parse_topology(topology)
+    for role in trained:
+        if baseline:
+            raise UsageError(f"--{role}: --baseline {baseline} runs the base model (--model) in every role")
+        if role not in roles:
+            raise UsageError(f"--{role}: the chain {','.join(roles)} has no {role}")
+    branching = [k] + [1] * (len(roles) - 1)
+    return Chain(roles, branching, variant)
 
 
 def leaks(sample):
@@ -1098,13 +915,16 @@ def confaide_metrics(cases):
 def cmd_collect(cfg):
     """Sample judged rollout trees and build preference pairs (paper 3.2: trees 3.2.1, LC-ARS 3.3, pairs 3.2.2)."""
     roles = parse_topology(cfg.topology)
-    chain = Chain(roles, parse_ints(cfg.branching, "--branching", len(roles)), cfg.prompt)
+    branching = parse_ints(cfg.branching, "--branching", count=len(roles))
+    chain = Chain(roles, branching, cfg.prompt)
     taus = parse_taus(cfg.tau, roles)
     cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
-    # the main process gets every record, the others None
-    records = run_rollouts(cfg, cases, chain)
-    if records is not None:
-        write_pairs(cfg, records, taus)
+    role_models = dict.fromkeys(roles, cfg.model)
+    # every process rolls out its share of the chunks; the main process then reads them all
+    if run_rollouts(cfg, cases, chain, role_models):
+        records = read_records(cfg.out, [case["name"] for case in cases])
+        pairs = pairs_from_records(records, taus, lcars_of(cfg))
+        write_pairs(cfg.out, pairs, records, cfg)
 
 
 def cmd_pairs(cfg):
@@ -1112,33 +932,43 @@ def cmd_pairs(cfg):
     config = read_config(cfg.run, ("collect",))
     taus = parse_taus(cfg.tau, parse_topology(config["topology"]))
     records = read_records(cfg.run)
-    write_pairs(cfg, records, taus)
+    pairs = pairs_from_records(records, taus, lcars_of(cfg))
+    write_pairs(cfg.run, pairs, records, cfg)
 
 
 def cmd_train(cfg):
-    """DPO-train one role's model on its pairs (paper 3.2.2) against its own log-probs before training."""
+    """DPO-train one role's model on its pairs (paper 3.2.2), against the log-probs of the model it starts from."""
     run = start_training(cfg)
     # float32 master weights; bf16 comes from autocast or DeepSpeed
     policy, tok = load_model(cfg.model, torch.float32, run.accelerator.device)
-    policy, reference, optimizer = prepare_training(run, policy)
-    train_dpo(run, policy, reference, optimizer)
+    policy, optimizer = prepare_training(run, policy)
+    # pi_ref: before the first step (and before a killed run's state loads), the starting model scores every
+    # micro-batch the run has left
+    reference = reference_logps(policy, optimizer_steps(run, "reference log-probs"))
+    resume(run)
+    train_dpo(run, policy, optimizer, reference)
     save_checkpoint(run, policy, tok)
 
 
 def cmd_eval(cfg):
     """K chains per held-out case, judged (paper 4.2): privacy and helpfulness, over all samples and valid ones."""
-    chain, label = eval_chain(cfg)
+    given = {"generator": cfg.generator, "verifier": cfg.verifier, "refiner": cfg.refiner}
+    trained = {role: checkpoint for role, checkpoint in given.items() if checkpoint}
+    chain = eval_chain(cfg.baseline, cfg.topology, cfg.prompt, cfg.k, trained)
     cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
-    records = run_rollouts(cfg, cases, chain)
-    if records is not None:
-        write_eval_report(cfg, label, records)
+    role_models = {role: trained.get(role, cfg.model) for role in chain.roles}
+    if run_rollouts(cfg, cases, chain, role_models):
+        records = read_records(cfg.out, [case["name"] for case in cases])
+        write_eval_report(cfg, records)
 
 
 def cmd_confaide(cfg):
     """A model on ConfAIde tiers 3-4 as a plain chat model, its answers scored as ConfAIde's eval.py (Table 2)."""
-    items = load_confaide(cfg.data, parse_ints(cfg.tiers, "--tiers", allowed=(3, 4)), cfg.num_cases)
-    records = run_chunks(cfg, list(items), {"model": cfg.model}, functools.partial(confaide_chunk, cfg, items))
-    if records is not None:
+    tiers = parse_ints(cfg.tiers, "--tiers", allowed=(3, 4))
+    items = load_confaide(cfg.data, tiers, cfg.num_cases)
+    work = functools.partial(confaide_chunk, cfg, items)
+    if run_chunks(cfg, list(items), {"model": cfg.model}, work):
+        records = read_records(cfg.out, list(items))
         write_confaide_report(cfg, records)
 
 
@@ -1192,8 +1022,12 @@ def model_source(name):
 
 def load_tokenizer(name):
     """The tokenizer of a short name (smollm2: embedded), a hub id or a folder, with a chat template."""
+    source = model_source(name)
+    # a hub id is org/name or a bare name: a path that is not there is neither
+    if not os.path.isdir(source) and (source.count("/") > 1 or source.startswith(("/", ".", "~"))):
+        raise UsageError(f"model {name!r}: no such folder, and not a hub id (org/name) either")
     try:
-        tok = AutoTokenizer.from_pretrained(model_source(name))
+        tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
         raise UsageError(f"model {name!r}: cannot load its tokenizer ({first_line(e)})") from None
     if not tok.chat_template:
@@ -1205,32 +1039,43 @@ def load_tokenizer(name):
 def load_model(name, dtype=torch.float32, device=None):
     """(model, tokenizer) of a short name (smollm2: embedded), a hub id or a folder, in eval mode on `device`."""
     tok = load_tokenizer(name)
+    return load_weights(name, dtype, device), tok
+
+
+def load_weights(name, dtype, device=None):
+    """The model of a short name, a hub id or a folder, in eval mode on `device` (default: this process's)."""
     try:
         model = AutoModelForCausalLM.from_pretrained(model_source(name), dtype=dtype)
     except (OSError, ValueError) as e:
         raise UsageError(f"model {name!r}: cannot load it ({first_line(e)})") from None
     model.to(device or PartialState().device)
-    return model.eval(), tok
+    return model.eval()
 
 
-def load_models(paths, cfg):
-    """{role: (model, tokenizer)}, each distinct name loaded once, in cfg.dtype. A served judge (--judge-url) is
-    its tokenizer alone, which renders its chats here, once the server has answered. The model's own sampling
-    defaults (Llama's top_p 0.9, min_p, ...) never reach generate: only its token ids are kept."""
-    judge_url = getattr(cfg, "judge_url", "")
+def load_tokenizers(paths, judge_url):
+    """{name: tokenizer} of every model a run names (`paths`: role -> name), once the served judge, if any, has
+    answered: what cannot load fails here, before the weights load."""
     if judge_url:
         check_judge_url(judge_url)
+    names = dict.fromkeys(paths.values())
+    return {name: load_tokenizer(name) for name in names}
+
+
+def load_models(paths, tokenizers, dtype, judge_url):
+    """{role: (model, tokenizer)} in `dtype`, each distinct name loaded once; a served judge (--judge-url) is its
+    tokenizer alone, which renders its chats here. The model's own sampling defaults (Llama's top_p 0.9, min_p, ...)
+    never reach generate: only its token ids are kept."""
     loaded = {}
     models = {}
     for role, name in paths.items():
         if role == "judge" and judge_url:
-            models[role] = (None, load_tokenizer(name))
+            models[role] = (None, tokenizers[name])
             continue
         if name not in loaded:
-            model, tok = load_model(name, getattr(torch, cfg.dtype))
+            model = load_weights(name, getattr(torch, dtype))
             token_ids = {k: v for k, v in model.generation_config.to_dict().items() if k.endswith("token_id")}
             model.generation_config = GenerationConfig(**token_ids)
-            loaded[name] = (model, tok)
+            loaded[name] = (model, tokenizers[name])
         models[role] = loaded[name]
     return models
 
@@ -1370,10 +1215,12 @@ def write_prefix(model, cache, prefix, rows, starts):
     """Run `prefix` through the model alone and write its keys and values into `rows` of the static cache, each
     at the column where its tokens start (starts: one per row of the cache)."""
     alone = DynamicCache()
-    model(input_ids=torch.tensor([prefix], device=model.device), cache=alone, logits_to_keep=1)
+    prefix_ids = torch.tensor([prefix], device=model.device)
+    model(input_ids=prefix_ids, cache=alone, logits_to_keep=1)
     for static, layer in zip(cache.layers, alone.layers, strict=True):
         if not static.is_initialized:
-            static.lazy_initialization(layer.keys.expand(len(starts), -1, -1, -1), layer.values)
+            shape_of_all_rows = layer.keys.expand(len(starts), -1, -1, -1)
+            static.lazy_initialization(shape_of_all_rows, layer.values)
         # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim]
         for row in rows:
             columns = slice(starts[row], starts[row] + len(prefix))
@@ -1437,15 +1284,19 @@ def completions_of(tok, out, width, decoding, ends, tail=4):
     prompt's last `tail` tokens, whose own text is then cut off: decoded alone, a sentencepiece decoder (Llama-2,
     Mistral) drops the first token's leading space ('Thought:' + '▁I ▁will' stored as 'Thought:I will'). Where the
     stop string ended a row it is cut off with what follows, whatever padded the row after it (where pad = eos)."""
-    heads = tok.batch_decode(out[:, max(0, width - tail) : width], skip_special_tokens=True)
-    fulls = tok.batch_decode(out[:, max(0, width - tail) :], skip_special_tokens=True)
+    context = max(0, width - tail)
+    heads = tok.batch_decode(out[:, context:width], skip_special_tokens=True)
+    fulls = tok.batch_decode(out[:, context:], skip_special_tokens=True)
     completions = []
-    for row, head, text in zip(out[:, width:].tolist(), heads, fulls, strict=True):
-        text = text[len(head) :] if text.startswith(head) else tok.decode(row, skip_special_tokens=True)
+    for row, head, full in zip(out[:, width:].tolist(), heads, fulls, strict=True):
+        text = full[len(head) :]
+        if not full.startswith(head):
+            text = tok.decode(row, skip_special_tokens=True)
         stops = [i for i, token in enumerate(row) if token in ends]
-        finish = "stop" if stops else "cut"
+        finish = "cut"
         if stops:
             row = row[: stops[0] + 1]
+            finish = "stop"
         if decoding.stop and decoding.stop in text:
             text = text.split(decoding.stop)[0]
             finish = "stop"
@@ -1457,7 +1308,8 @@ def sample_role(models, cfg, role, chats, width):
     """An agent level: `width` completions per chat from the role's model, sampled where width > 1, else greedy."""
     model, tok = models[role]
     temperature = cfg.temperature if width > 1 else None
-    decoding = Decoding(width, cfg.max_new_tokens, temperature, action_prefix(role))
+    prefix = action_prefix(role)
+    decoding = Decoding(samples=width, max_new_tokens=cfg.max_new_tokens, temperature=temperature, prefix=prefix)
     return generate(model, tok, chats, decoding, cfg)
 
 
@@ -1470,18 +1322,25 @@ def sample_role(models, cfg, role, chats, width):
 JUDGE_STOP = "\n\n---"
 
 
-def judge(models, cfg, chats, words):
-    """The judge's verdicts on `chats` (judge_leaves): rendered as the release rendered them (Decoding.as_release:
-    Mistral-7B-Instruct-v0.2, the paper's judge, reads <s><s>[INST]), greedy, up to --judge-max-new-tokens or
-    JUDGE_STOP; forced, one of `words`."""
+# the verdict words a forced verdict draws from, per kind of judge chat (judge_leaves)
+VERDICT_WORDS = {"leak": ("Yes", "No"), "help": HELP_SCALE}
+
+
+def judge(models, cfg, chats, kind):
+    """The judge's Verdicts on `chats` of one kind, "leak" or "help" (judge_leaves): rendered as the release rendered
+    them (Decoding.as_release: Mistral-7B-Instruct-v0.2, the paper's judge, reads <s><s>[INST]), greedy, up to
+    --judge-max-new-tokens or JUDGE_STOP; forced, one of the kind's VERDICT_WORDS."""
     model, tok = models["judge"]
     if cfg.judge_url:
         return judge_served(cfg, tok, chats)
     if cfg.judge_verdict == "forced":
-        return forced_verdicts(model, tok, chats, words, cfg)
-    decoding = Decoding(1, cfg.judge_max_new_tokens, stop=JUDGE_STOP, as_release=True)
+        return forced_verdicts(model, tok, chats, VERDICT_WORDS[kind], cfg)
+    decoding = Decoding(max_new_tokens=cfg.judge_max_new_tokens, stop=JUDGE_STOP, as_release=True)
     completions = generate(model, tok, chats, decoding, cfg)
-    return [(text, finish, len(ids)) for ((text, ids, finish),) in completions]
+    verdicts = []
+    for (completion,) in completions:
+        verdicts.append(Verdict(completion.text, completion.finish, len(completion.token_ids)))
+    return verdicts
 
 
 def forced_verdicts(model, tok, chats, words, cfg):
@@ -1491,12 +1350,16 @@ def forced_verdicts(model, tok, chats, words, cfg):
     parsers. SmolLM2-135M's likeliest word is "Yes" and "Excellent" on every prompt: drawn, its verdicts vary,
     enough for the quick start to show the pipeline (not the method)."""
     firsts = [tok(word, add_special_tokens=False)["input_ids"][0] for word in words]
-    decoding = Decoding(1, 1, cfg.temperature, "Answer: ", allowed=lambda row, ids: firsts)
+
+    def only_the_words(row, ids):
+        return firsts
+
+    decoding = Decoding(max_new_tokens=1, temperature=cfg.temperature, prefix="Answer: ", allowed=only_the_words)
     completions = generate(model, tok, chats, decoding, cfg)
     verdicts = []
-    for ((_, ids, _),) in completions:
-        word = words[firsts.index(ids[0])]
-        verdicts.append((f"Answer: {word}", "stop", 1))
+    for (completion,) in completions:
+        word = words[firsts.index(completion.token_ids[0])]
+        verdicts.append(Verdict(f"Answer: {word}", "stop", 1))
     return verdicts
 
 
@@ -1524,7 +1387,7 @@ def judge_served(cfg, tok, chats):
 
 
 def post_completion(cfg, prompt):
-    """One greedy completion -> (its text cut at JUDGE_STOP, "stop" or "cut", its tokens). The OpenAI schema's
+    """One greedy completion -> its Verdict, the text cut at JUDGE_STOP. The OpenAI schema's
     neutral sampling values are sent, not left to the server (vLLM fills what a request leaves unset from the
     model's generation_config.json). A failure is one line naming the URL and the cause; $OPENAI_API_KEY goes
     into the header alone and is scrubbed from every message."""
@@ -1550,7 +1413,8 @@ def post_completion(cfg, prompt):
             reply = json.load(response)
         choice = reply["choices"][0]
         finish = "cut" if choice.get("finish_reason") == "length" else "stop"
-        return choice["text"].split(JUDGE_STOP)[0], finish, reply["usage"]["completion_tokens"]
+        text = choice["text"].split(JUDGE_STOP)[0]
+        return Verdict(text, finish, reply["usage"]["completion_tokens"])
     except (OSError, ValueError, LookupError, TypeError) as e:
         # an HTTP error's body says why
         cause = first_line(e)
@@ -1612,13 +1476,20 @@ def node_from_dict(saved):
 
 
 # flags a rerun may change: they shape nothing already written
-FREE_FLAGS = ("out", "num_cases", "batch_size", "judge_concurrency", "label", "versions")
+FREE_FLAGS = ("out", "num_cases", "batch_size", "judge_concurrency", "judge_url", "label", "versions")
 FREE_FLAGS += ("tau", "b1", "b2", "lcars_alpha", "lcars_beta", "save_every", "report_to")
+
+
+def command_of(flags):
+    """The command that recorded `flags` (config.json's "command"): collect, eval, confaide or judge."""
+    return flags.get("command", "another program").removesuffix("Config").lower()
 
 
 def check_config(path, flags, advice="use a new --out"):
     """A run keeps the flags that shape its results in `path`; resuming with others would mix two experiments."""
     old = read_json(path) if os.path.exists(path) else flags
+    if command_of(old) != command_of(flags):
+        raise UsageError(f"{path}: the folder holds a {command_of(old)} run, not a {command_of(flags)} one; {advice}")
     for key, value in flags.items():
         if key not in FREE_FLAGS and old.get(key) != value:
             raise UsageError(f"{path}: this run had {key}={old.get(key)!r}, not {value!r}; {advice}")
@@ -1645,9 +1516,8 @@ def create_config(path, flags):
 def read_config(run, commands=("collect", "eval")):
     """A run folder's config.json, the flags that made it, checked to come from one of `commands`."""
     config = read_json(os.path.join(run, "config.json"))
-    command = config.get("command", "another program").removesuffix("Config").lower()
-    if command not in commands:
-        raise UsageError(f"{run}: made by {command}, not by {' or '.join(commands)}")
+    if command_of(config) not in commands:
+        raise UsageError(f"{run}: made by {command_of(config)}, not by {' or '.join(commands)}")
     return config
 
 
@@ -1657,13 +1527,17 @@ def read_chunks(run):
     return [read_json(path) for path in paths]
 
 
-def read_records(run):
-    """Every record of a run folder (rollout_chunk's, confaide_chunk's), each tree a Node."""
+def read_records(run, keys=None):
+    """The records of a run folder (rollout_chunk's, confaide_chunk's), each tree a Node: those of `keys` in their
+    order, else all of them."""
     records = [record for chunk in read_chunks(run) for record in chunk["records"]]
     for record in records:
         if "tree" in record:
             record["tree"] = node_from_dict(record["tree"])
-    return records
+    if keys is None:
+        return records
+    by_key = {record["case"]: record for record in records}
+    return [by_key[key] for key in keys]
 
 
 def read_counts(run):
@@ -1675,29 +1549,46 @@ def read_counts(run):
     return sums
 
 
-def run_chunks(cfg, keys, paths, work):
-    """The records of `keys` in order on the main process, None on the others. Records in <out>/rollouts/ are
-    kept; the missing ones are computed chunk by chunk on all processes by work(models, keys) -> (records,
-    counts), each chunk written as one file by rename, so a kill leaves only whole chunks. Chunk g (keys g*c to
-    g*c + c - 1 of --chunk-cases c) reseeds from (seed, g): its samples depend neither on the number of
-    processes nor on how far a killed run got. A process loads its models (`paths`: role -> name) only when it
-    has work; config.json, checked first, is written once they have loaded."""
+def make_folder(path):
+    """`path` and its parents, or one line saying why they cannot be made."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write there ({first_line(e)})") from None
+
+
+def missing_chunks(keys, done, chunk_cases):
+    """[(chunk g, its keys not in `done`)] for the chunks of `chunk_cases` keys (g: keys g*c to g*c + c - 1) that
+    are not done: what a run has left."""
+    missing = []
+    for first in range(0, len(keys), chunk_cases):
+        left = [key for key in keys[first : first + chunk_cases] if key not in done]
+        if left:
+            missing.append((first // chunk_cases, left))
+    return missing
+
+
+def run_chunks(cfg, keys, paths, work, judge_url=""):
+    """Compute the records of `keys` that <out>/rollouts/ lacks, chunk by chunk on all processes, by work(models,
+    keys) -> (records, counts); each chunk is written as one file by rename, so a kill leaves only whole chunks.
+    Chunk g reseeds from (seed, g): its samples depend neither on the number of processes nor on how far a killed
+    run got. `paths` (role -> model name) load on a process only when it has work, the judge's as its tokenizer alone
+    where `judge_url` serves it; config.json, checked first, is written once they have loaded. -> True on the main
+    process, once every process has written its chunks."""
     state = PartialState()
     if cfg.dtype == "auto":
         # the paper's bfloat16 on a GPU
         cfg = dataclasses.replace(cfg, dtype="bfloat16" if torch.cuda.is_available() else "float32")
-    flags = {**dataclasses.asdict(cfg), "command": type(cfg).__name__, "models": paths}
+    flags = {"command": type(cfg).__name__, **dataclasses.asdict(cfg), "models": paths}
     config = os.path.join(cfg.out, "config.json")
     check_config(config, flags)
-    done = {record["case"] for record in read_records(cfg.out)}
-    todo = []
-    for first in range(0, len(keys), cfg.chunk_cases):
-        missing = [key for key in keys[first : first + cfg.chunk_cases] if key not in done]
-        if missing:
-            todo.append((first // cfg.chunk_cases, missing))
-    mine = todo[state.process_index :: state.num_processes]
-    models = load_models(paths, cfg) if mine else None
-    os.makedirs(os.path.join(cfg.out, "rollouts"), exist_ok=True)
+    done = {record["case"] for chunk in read_chunks(cfg.out) for record in chunk["records"]}
+    mine = missing_chunks(keys, done, cfg.chunk_cases)[state.process_index :: state.num_processes]
+    # a model or a judge that cannot load fails before the folder exists, and a folder that cannot be made before
+    # the weights load
+    tokenizers = load_tokenizers(paths, judge_url)
+    make_folder(os.path.join(cfg.out, "rollouts"))
+    models = load_models(paths, tokenizers, cfg.dtype, judge_url) if mine else None
     if state.is_main_process:
         create_config(config, {**flags, **provenance()})
     for chunk, missing in tqdm(mine, "chunks", disable=not state.is_main_process):
@@ -1706,22 +1597,20 @@ def run_chunks(cfg, keys, paths, work):
         path = os.path.join(cfg.out, "rollouts", f"{keys.index(missing[0]):06d}.json")
         write_json(path, {"counts": counts, "records": records})
     state.wait_for_everyone()
-    if not state.is_main_process:
-        return None
-    by_key = {record["case"]: record for record in read_records(cfg.out)}
-    return [by_key[key] for key in keys]
+    return state.is_main_process
 
 
-def run_rollouts(cfg, cases, chain):
-    """collect's and eval's chunks: each chunk of cases rolled out and judged (rollout_chunk)."""
+def run_rollouts(cfg, cases, chain, role_models):
+    """collect's and eval's chunks: each chunk of cases rolled out by `role_models` (role -> model name) and judged
+    (rollout_chunk)."""
     by_name = {case["name"]: case for case in cases}
-    paths = {role: getattr(cfg, role, "") or cfg.model for role in chain.roles}
-    paths["judge"] = cfg.judge_model or cfg.model
+    paths = {**role_models, "judge": cfg.judge_model or cfg.model}
 
     def work(models, names):
-        return rollout_chunk([by_name[name] for name in names], chain, models, cfg)
+        chunk_cases = [by_name[name] for name in names]
+        return rollout_chunk(chunk_cases, chain, models, cfg)
 
-    return run_chunks(cfg, list(by_name), paths, work)
+    return run_chunks(cfg, list(by_name), paths, work, cfg.judge_url)
 
 
 def write_report(cfg, report):
@@ -1736,27 +1625,28 @@ def write_report(cfg, report):
 # ----------------------------------------------------------------------------------------------
 
 
-def write_pairs(cfg, records, taus):
-    """The records' pairs (pairs_from_records) into pairs_<role>.jsonl for the roles in --tau (an earlier --tau's
-    others go), and summary.json (the counts and every flag), printed; a role left without pairs is warned of."""
-    pairs = pairs_from_records(records, taus, cfg)
-    run = getattr(cfg, "run", "") or cfg.out
-    written = [os.path.join(run, f"pairs_{role}.jsonl") for role in pairs]
-    for path, rows in zip(written, pairs.values(), strict=True):
+def write_pairs(run, pairs, records, cfg):
+    """{role: pairs} (pairs_from_records) into <run>/pairs_<role>.jsonl, and summary.json (the counts and every flag
+    of `cfg`), printed. A role left without pairs is warned of; a pairs file of a role --tau no longer names goes,
+    and is said to go."""
+    written = []
+    for role, rows in pairs.items():
+        path = os.path.join(run, f"pairs_{role}.jsonl")
         write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
-    earlier = glob.glob(os.path.join(run, "pairs_*.jsonl"))
-    for path in set(earlier) - set(written):
+        written.append(path)
+        if not rows:
+            print(f"warning: no {role} pairs: all {role} siblings' values lie on one side of its tau", file=sys.stderr)
+    for path in set(glob.glob(os.path.join(run, "pairs_*.jsonl"))) - set(written):
         os.remove(path)
+        print(f"removed {path}: --tau names no pairs for its role", file=sys.stderr)
     judgments = [leaf.judgment for record in records for leaf, _ in leaves_with_paths(record["tree"])]
     summary = {
         "collect/leaves": len(judgments),
         "collect/invalid_leaves": sum(not judgment["calls_tool"] for judgment in judgments),
         "collect/judge_cut_rate": judge_cut_rate(judgments),
     }
-    for role, tau in taus.items():
-        summary[f"collect/pairs_{role}"] = len(pairs[role])
-        if not pairs[role]:
-            print(f"warning: no {role} pairs: all {role} siblings' values lie on one side of {tau}", file=sys.stderr)
+    for role, rows in pairs.items():
+        summary[f"collect/pairs_{role}"] = len(rows)
     summary["counts"] = read_counts(run)
     print(json.dumps(summary, indent=1))
     summary.update(flags=dataclasses.asdict(cfg), **provenance())
@@ -1837,57 +1727,47 @@ def text_response(tok, text, prompt, pair, side):
     return [*ids, tok.eos_token_id]
 
 
-def collate_pairs(examples, pad_id):
-    """B pairs (prompt, chosen, rejected token ids) -> one right-padded batch of packed rows [prompt | chosen |
-    rejected] (response_logps): input_ids, position_ids [B, T]; attention_mask bool [B, 1, T, T] (True = attend;
-    padding attends causally and is never read); {side}_at, {side}_labels [B, R + 1]."""
-    width = max(len(prompt + chosen + rejected) for prompt, chosen, rejected in examples)
-    mask = torch.ones(len(examples), 1, width, width, dtype=torch.bool).tril()
-    rows = []
-    for i, (prompt, chosen, rejected) in enumerate(examples):
-        start, end = len(prompt), len(prompt) + len(chosen)
-        # the rejected tokens do not see the chosen ones, and their positions restart after the prompt
-        mask[i, 0, end:, start:end] = False
-        positions = [*range(end), *range(start, start + len(rejected))]
-        rejected_at = [start - 1, *range(end, end + len(rejected))]
-        # -100 under each side's first position, the prompt's last token, which predicts its first token
-        labels = ([-100, *chosen], [-100, *rejected])
-        rows.append((prompt + chosen + rejected, positions, range(start - 1, end), rejected_at, *labels))
-    batch = {"attention_mask": mask}
-    keys = ("input_ids", "position_ids", "chosen_at", "rejected_at", "chosen_labels", "rejected_labels")
-    fills = {"input_ids": pad_id, "chosen_labels": -100, "rejected_labels": -100}
-    for key, column in zip(keys, zip(*rows, strict=True), strict=True):
-        batch[key] = padded(column, fills.get(key, 0))
-    return batch
-
-
-def padded(rows, value):
-    """Lists of ints -> [B, longest], right-padded with `value`."""
-    tensors = [torch.tensor(list(row)) for row in rows]
-    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
-
-
 def micro_batches(run, epoch):
-    """This process's share of an epoch's collated micro-batches, the pairs reshuffled from (seed, epoch) alone:
-    every epoch's are new, and a resumed run sees the same ones."""
+    """This process's share of an epoch's micro-batches (collate_pairs), the pairs reshuffled from (seed, epoch) alone:
+    every epoch's are new, and a resumed run sees the same ones. Each holds "pair", the indices of its pairs."""
     generator = torch.Generator().manual_seed(run.cfg.seed * 1000 + epoch)
 
     def collate(indices):
-        batch = collate_pairs([run.train[index] for index in indices], run.pad_id)
-        return {**batch, "pair": torch.tensor(indices)}  # the pairs' rows of the reference table
+        examples = [run.train[index] for index in indices]
+        batch = collate_pairs(examples, run.pad_id)
+        return {**batch, "pair": torch.tensor(indices)}
 
+    pair_indices = range(len(run.train))
     loader = torch.utils.data.DataLoader(
-        range(len(run.train)), run.cfg.batch_size, shuffle=True, generator=generator, collate_fn=collate
+        pair_indices, run.cfg.batch_size, shuffle=True, generator=generator, collate_fn=collate
     )
     return run.accelerator.prepare_data_loader(loader)
 
 
+def optimizer_steps(run, desc):
+    """Every optimizer step a run has left, from where it stands, under a progress bar named `desc`: (its number,
+    its epoch, an iterator over its micro-batches, how many: --grad-accum, fewer at an epoch's end). A step's
+    micro-batches come from micro_batches and must be used up before the next step is asked for."""
+    grad_accum = run.cfg.grad_accum
+    steps = range(run.progress["step"], run.steps)
+    show = run.accelerator.is_main_process
+    batches = None
+    for step in tqdm(steps, desc, initial=run.progress["step"], total=run.steps, unit="step", disable=not show):
+        epoch, index = divmod(step, run.steps_per_epoch)
+        first = index * grad_accum
+        if batches is None or index == 0:
+            loader = run.accelerator.skip_first_batches(micro_batches(run, epoch), first)
+            batches = iter(loader)
+        size = min(grad_accum, run.batches_per_epoch - first)
+        yield step, epoch, itertools.islice(batches, size), size
+
+
 @dataclass
 class TrainRun:
-    """One train command: its flags, accelerator and checkpoint folder, its packed pairs, its schedule, and where
-    it stands (progress: step, epoch, micro-batches done in it, pairs seen, seconds, history)."""
+    """One train command: its flags, accelerator and checkpoint folder, its role, its pairs as token ids, the
+    schedule, and where it stands (progress: steps done, pairs seen, seconds, history)."""
 
-    cfg: TrainConfig
+    cfg: "TrainConfig"
     accelerator: Accelerator
     out: str
     role: str
@@ -1896,6 +1776,9 @@ class TrainRun:
     stats: dict
     epochs: int = 0
     steps: int = 0
+    # this process's micro-batches in an epoch, and the optimizer steps they make
+    batches_per_epoch: int = 0
+    steps_per_epoch: int = 0
     progress: dict = None
     # the state a rerun resumes from, the flags it must share, the clock
     resume: str = None
@@ -1925,30 +1808,28 @@ def start_training(cfg):
     examples, stats = tokenize_pairs(tok, pairs, cfg.max_length)
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
-    run = TrainRun(cfg, accelerator, out, role, examples, tok.pad_token_id, stats)
+    make_folder(out + ".state")
+    run = TrainRun(cfg, accelerator, out=out, role=role, train=examples, pad_id=tok.pad_token_id, stats=stats)
     # accelerate gives each process a whole share of the micro-batches
-    per_process = math.ceil(len(examples) / cfg.batch_size / accelerator.num_processes)
-    steps_per_epoch = math.ceil(per_process / cfg.grad_accum)
+    run.batches_per_epoch = math.ceil(len(examples) / cfg.batch_size / accelerator.num_processes)
+    run.steps_per_epoch = math.ceil(run.batches_per_epoch / cfg.grad_accum)
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
-    run.steps = min(epochs * steps_per_epoch, cfg.max_steps or math.inf)
-    run.epochs = math.ceil(run.steps / steps_per_epoch)
+    run.steps = min(epochs * run.steps_per_epoch, cfg.max_steps or math.inf)
+    run.epochs = math.ceil(run.steps / run.steps_per_epoch)
     if not any(cosine_lr(step, run.steps, cfg) for step in range(run.steps)):
         accelerator.print(f"warning: no step of {run.steps} gets a learning rate above 0: use --warmup-ratio 0")
     # the last whole state <out>.state/step-<k> a killed run saved
     states = glob.glob(os.path.join(out + ".state", "step-*[0-9]"))
+    run.progress = {"step": 0, "pairs": 0, "seconds": 0.0, "history": []}
     if states:
         run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]))
         run.progress = read_json(os.path.join(run.resume, "progress.json"))
-    else:
-        run.progress = {"step": 0, "epoch": 0, "batches": 0, "pairs": 0, "seconds": 0.0, "history": []}
     return run
 
 
 def prepare_training(run, policy):
-    """The policy and AdamW through accelerate (DDP, or DeepSpeed ZeRO-2); the reference log-probs of epoch 0's
-    micro-batches that the run trains on (all of them once it goes past epoch 0), each process computing its
-    share; then a killed run's last state loaded (accelerate's load_state). The reference comes from the model as
-    loaded, before any state: a resumed run computes the same table again, so no state holds it."""
+    """The policy and AdamW through accelerate (DDP, or DeepSpeed ZeRO-2), a killed run's flags checked against this
+    one's, and the clock started (it counts the reference's forward passes: part of what each pair costs)."""
     cfg, accelerator = run.cfg, run.accelerator
     if cfg.gradient_checkpointing:
         policy.activation_checkpointing_enable({"use_reentrant": False})
@@ -1967,20 +1848,16 @@ def prepare_training(run, policy):
     if run.resume:
         advice = f"rerun it unchanged, or remove {run.out}.state"
         check_config(os.path.join(run.resume, "flags.json"), run.flags, advice)
-    # the clock counts the reference's forward passes: part of what each pair costs
     run.started = time.time() - run.progress["seconds"]
-    loader = micro_batches(run, 0)
-    count = min(len(loader), run.steps * cfg.grad_accum)
-    first = tqdm(itertools.islice(loader, count), "reference log-probs", count, disable=not accelerator.is_main_process)
-    table = torch.full((len(run.train), 2), math.nan, device=accelerator.device)
-    reference_logps(policy, first, table)
-    # every pair's row from the process that computed it (NaN: a pair the run never reaches)
-    reference = accelerator.gather(table).view(accelerator.num_processes, -1, 2).nanmean(0)
-    if run.resume:
-        accelerator.load_state(run.resume)
-        accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
     accelerator.init_trackers(f"privact-{run.role}", config=dataclasses.asdict(cfg))
-    return policy, reference, optimizer
+    return policy, optimizer
+
+
+def resume(run):
+    """A killed run's last state (accelerate's load_state: weights, optimizer, RNG), if there is one."""
+    if run.resume:
+        run.accelerator.load_state(run.resume)
+        run.accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
 
 
 def make_optimizer(policy, cfg, plugin):
@@ -1993,15 +1870,20 @@ def make_optimizer(policy, cfg, plugin):
     return torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0, fused=True)
 
 
-def log_step(run, window, epoch):
-    """One optimizer step's row, each micro-batch metric averaged over the step's micro-batches: into the history,
-    the trackers and stdout."""
+def log_step(run, epoch, lr, grad_norm, window):
+    """One optimizer step done: its row (each micro-batch metric averaged over the step's micro-batches) into the
+    progress, the trackers and stdout. The one place that moves run.progress."""
     progress = run.progress
+    progress["step"] += 1
+    progress["pairs"] += sum(metrics["pairs"] for metrics in window) * run.accelerator.num_processes
     progress["seconds"] = time.time() - run.started
-    row = {"step": progress["step"], "epoch": epoch, "train/lr": cosine_lr(progress["step"] - 1, run.steps, run.cfg)}
-    for key in window[-1]:
-        values = [metrics[key] for metrics in window if key in metrics]
+    row = {"step": progress["step"], "epoch": epoch, "train/lr": lr}
+    for key in window[0]:
+        values = [metrics[key] for metrics in window]
         row[f"train/{key}"] = sum(values) / len(values)
+    del row["train/pairs"]
+    if grad_norm is not None:
+        row["train/grad_norm"] = float(grad_norm)
     row["train/pairs_per_s"] = progress["pairs"] / progress["seconds"]
     progress["history"].append(row)
     run.accelerator.log(row, step=progress["step"])
@@ -2052,20 +1934,15 @@ def save_checkpoint(run, policy, tok):
 # ----------------------------------------------------------------------------------------------
 
 
-def eval_chain(cfg):
-    """(the Chain, the label) of the configuration asked for: a baseline's chain and prompts, or --topology and
-    --prompt, with branching K,1,1 (paper 4.2; the release's test_MA.py [N, 1, 1])."""
-    topology, variant = BASELINES.get(cfg.baseline, (cfg.topology, cfg.prompt))
-    roles = parse_topology(topology)
-    given = [role for role in ("generator", "verifier", "refiner") if getattr(cfg, role)]
-    if set(given) - set(roles) or cfg.baseline and given:
-        raise UsageError(f"--{given[0]}: the chain {','.join(roles)} runs --model there")
-    chain = Chain(roles, [cfg.k] + [1] * (len(roles) - 1), variant)
-    trained = "+".join(role[0].upper() for role in given)
-    return chain, cfg.label or cfg.baseline or trained or "base"
+def eval_label(cfg):
+    """An eval's name in compare's table and Figure 2: --label, else the baseline, the trained roles (V, R, V+R) or
+    base."""
+    given = {"G": cfg.generator, "V": cfg.verifier, "R": cfg.refiner}
+    trained = [letter for letter, checkpoint in given.items() if checkpoint]
+    return cfg.label or cfg.baseline or "+".join(trained) or "base"
 
 
-def write_eval_report(cfg, label, records):
+def write_eval_report(cfg, records):
     """report.json: the metrics over all samples and over valid ones, each with 95% intervals over cases, the share
     of verdicts cut, every sample's judgment; the table printed."""
     samples = []
@@ -2074,7 +1951,7 @@ def write_eval_report(cfg, label, records):
     valid = valid_only(samples)
     report = {
         "benchmark": "privacylens",
-        "label": label,
+        "label": eval_label(cfg),
         "metrics": eval_metrics(samples),
         "ci95": bootstrap_ci(samples, seed=cfg.seed),
         # a run without a valid sample has no (valid) metrics
@@ -2082,7 +1959,9 @@ def write_eval_report(cfg, label, records):
         "ci95_valid_only": bootstrap_ci(valid, seed=cfg.seed) if valid else {},
         "judge_cut_rate": judge_cut_rate(sum(samples, [])),
     }
-    report["cases"] = [{"case": record["case"], "samples": case} for record, case in zip(records, samples, strict=True)]
+    report["cases"] = []
+    for record, case_samples in zip(records, samples, strict=True):
+        report["cases"].append({"case": record["case"], "samples": case_samples})
     write_report(cfg, report)
 
 
@@ -2109,16 +1988,6 @@ def format_table(reports):
     return "\n".join(lines)
 
 
-@dataclass
-class CompareConfig:
-    reports: tuple = opt((), "eval or confaide folders (or their report.json)", positional=True, nargs="+")
-    plot: str = opt(
-        "",
-        "also draw the paper's Figure 2 into this PNG: the eval reports' metrics over valid samples, as the paper "
-        "plots them (needs matplotlib)",
-    )
-
-
 def cmd_compare(cfg):
     """Print eval (or confaide) reports side by side; --plot draws the paper's Figure 2 of the eval reports."""
     reports = []
@@ -2141,27 +2010,45 @@ def pareto_front(points):
     return sorted(front)
 
 
+def frontier_steps(front):
+    """The Pareto front (by x, so y falls) as a staircase (xs, ys): from the y axis across and down through each front
+    point to the x axis, the bound of what the points reach; a single point draws an L."""
+    heights = [y for _, y in front] + [0.0]
+    xs = [0.0]
+    ys = [heights[0]]
+    for k, (x, y) in enumerate(front):
+        xs += [x, x]
+        ys += [y, heights[k + 1]]
+    return xs, ys
+
+
 def plot_tradeoff(reports, path):
-    """The paper's Figure 2: privacy (x) against helpfulness (y) over valid samples on 0-1 axes, Avg/Avg and
-    leak@K/Bin, one labelled point per eval report and the Pareto frontier, dashed."""
+    """The paper's Figure 2 over valid samples: privacy (x) against helpfulness (y) on 0-1 axes, Avg/Avg and
+    leak@K/Bin, one hollow marker per eval report and the Pareto frontier, dashed. The reports are named in a legend
+    below the panels, so no name sits on another and no legend covers a point; reports at one point show as hollow
+    markers of different shapes, one over the other."""
     try:
         from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install matplotlib") from None
     reports = [report for report in reports if report.get("metrics_valid_only")]
-    figure = Figure(figsize=(12, 5), layout="tight")
+    figure = Figure(figsize=(12, 6), layout="constrained")
     panels = (("privacy_avg", "helpfulness_avg"), ("privacy_leak_at_k", "helpfulness_bin"))
     for ax, (x_key, y_key) in zip(figure.subplots(1, 2), panels, strict=True):
         points = []
-        for report in reports:
+        for n, report in enumerate(reports):
             metrics = report["metrics_valid_only"]
             point = (metrics[x_key], metrics[y_key])
             points.append(point)
-            ax.plot(*point, "o")
-            ax.annotate(report["label"], point, textcoords="offset points", xytext=(6, 6), fontsize=8)
-        ax.plot(*zip(*pareto_front(points), strict=True), "--", color="gray", label="Pareto frontier")
+            style = {"marker": "osD^vP*Xph"[n % 10], "color": f"C{n % 10}", "fillstyle": "none", "markersize": 11}
+            ax.plot(*point, linestyle="", markeredgewidth=2, label=report["label"], **style)
+        if points:
+            ax.plot(*frontier_steps(pareto_front(points)), "--", color="gray", label="Pareto frontier")
         ax.set(xlim=(-0.03, 1.03), ylim=(-0.03, 1.03), xlabel=x_key, ylabel=y_key)
-        ax.legend(loc="lower left")
+    handles, labels = ax.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=min(len(labels), 6))
+    sizes = [f"{report['label']} {report['metrics_valid_only']['num_samples']}" for report in reports]
+    figure.suptitle(f"Over valid samples only (actions that call the case's tool): {', '.join(sizes)}")
     try:
         figure.savefig(path, dpi=100)
     except (OSError, ValueError) as e:
@@ -2222,12 +2109,6 @@ def write_confaide_report(cfg, records):
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ShowConfig:
-    run: str = opt("", "a collect folder (its trees, values, pairs) or an eval folder", positional=True)
-    case: str = opt("", "the case's name, e.g. main12 (default: the run's first)")
-
-
 def cmd_show(cfg):
     """Print one case's tree from a collect or eval run: V per node (collect), + / - on the pairs, judgments."""
     config = read_config(cfg.run)
@@ -2236,12 +2117,13 @@ def cmd_show(cfg):
     if name not in records:
         raise UsageError(f"{cfg.run}: no collect or eval case {name!r}; it holds {', '.join(list(records)[:5])}")
     marks = {}
-    if config["command"] == "CollectConfig":
+    if command_of(config) == "collect":
+        # the reward flags of the last pairs built (summary.json), else collect's own
         summary = os.path.join(cfg.run, "summary.json")
         flags = read_json(summary)["flags"] if os.path.exists(summary) else config
-        reward = from_flags(RewardConfig, flags)
+        reward = from_flags(RewardFlags, flags)
         taus = parse_taus(reward.tau, parse_topology(config["topology"]))
-        pairs_from_records([records[name]], taus, reward)
+        pairs_from_records([records[name]], taus, lcars_of(reward))
         for _, chosen, rejected in sibling_pairs(records[name]["tree"], taus):
             marks[id(chosen)] = "+"
             marks[id(rejected)] = "-"
@@ -2265,18 +2147,13 @@ def show_tree(node, items, marks, indent=""):
             print(f"{indent}    {valid}, helpfulness {judgment['helpfulness']}, leaks {leaked}")
 
 
-@dataclass
-class JudgeConfig(JudgeFlags):
-    run: str = opt("", "a finished collect or eval folder, whose outputs are judged again", positional=True)
-    out: str = opt("runs/rejudged", "the new folder: the same outputs, new judgments, the pairs or report from them")
-
-
 def cmd_judge(cfg):
     """Judge a finished collect or eval run's outputs again (another judge or verdict budget), into a new folder."""
     config = read_config(cfg.run)
-    kind = CollectConfig if config["command"] == "CollectConfig" else EvalConfig
+    made_by = command_of(config)
+    kind = CollectConfig if made_by == "collect" else EvalConfig
     source = from_flags(kind, config)
-    judge_flags = dataclasses.asdict(from_flags(JudgeFlags, vars(cfg)))
+    judge_flags = dataclasses.asdict(from_flags(JudgeFlags, dataclasses.asdict(cfg)))
     new = dataclasses.replace(source, out=cfg.out, **judge_flags)
     cases = {case["name"]: case for case in load_cases(source.data, "all")}
     records = {record["case"]: record for record in read_records(cfg.run)}
@@ -2284,16 +2161,300 @@ def cmd_judge(cfg):
     def work(models, names):
         start = time.perf_counter()
         roots = [records[name]["tree"] for name in names]
-        tokens = judge_leaves(roots, [cases[name] for name in names], functools.partial(judge, models, new))
+        name_cases = [cases[name] for name in names]
+        tokens = judge_leaves(roots, name_cases, functools.partial(judge, models, new))
         counts = {"judge_seconds": time.perf_counter() - start, "judge_tokens": tokens}
         return [records[name] for name in names], counts
 
-    rejudged = run_chunks(new, list(records), {"judge": new.judge_model or new.model}, work)
-    if rejudged is not None and kind is EvalConfig:
-        write_eval_report(new, eval_chain(new)[1], rejudged)
-    elif rejudged is not None:
+    judge_model = {"judge": new.judge_model or new.model}
+    if not run_chunks(new, list(records), judge_model, work, new.judge_url):
+        return
+    rejudged = read_records(new.out, list(records))
+    if made_by == "eval":
+        write_eval_report(new, rejudged)
+    else:
         taus = parse_taus(new.tau, parse_topology(new.topology))
-        write_pairs(new, rejudged, taus)
+        pairs = pairs_from_records(rejudged, taus, lcars_of(new))
+        write_pairs(new.out, pairs, rejudged, new)
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs: one per command, built from the groups of flags it takes; the command line is built from them
+# ----------------------------------------------------------------------------------------------
+
+
+def opt(default, help, **extra):
+    """A config field: its --help text and, for a number, its bounds (low, high: included; above: excluded), all
+    checked by check_bounds; positional=True and nargs for the command line. A field typed Literal[...] takes only
+    those values."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class SamplingFlags:
+    """What every command that generates takes."""
+
+    model: str = opt(
+        "smollm2",
+        "the model of every role: a short name (smollm2: SmolLM2-135M-Instruct, embedded in a pip package), "
+        "a hub id or a local folder",
+    )
+    max_new_tokens: int = opt(
+        1000,
+        "the generation budget of each agent output, in tokens (the paper's 1000); a cut output is recorded",
+        low=1,
+    )
+    temperature: float = opt(
+        1.0, "the sampling temperature where outputs are sampled (the paper's 1.0; no top-k, no top-p)", above=0
+    )
+    batch_size: int = opt(
+        16, "sequences per generate call (prompts x samples); lower it after an out-of-memory error", low=1
+    )
+    chunk_cases: int = opt(
+        8,
+        "cases rolled out together and written as one file: what a killed run redoes, and each process's share",
+        low=1,
+    )
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = opt(
+        "auto", "the weights' precision in generation; auto: the paper's bfloat16 on a GPU, float32 on a CPU"
+    )
+    chat_date: str = opt(
+        CHAT_DATE, "the date every chat template that prints one renders (Llama 3.x), never the clock's"
+    )
+    seed: int = opt(
+        0, "the sampling seed; each chunk of cases reseeds from it and its index, whatever the number of processes"
+    )
+
+
+@dataclass
+class JudgeFlags:
+    """The judge of collect, eval and judge."""
+
+    judge_model: str = opt(
+        "",
+        "the judge: a short name, hub id or folder (default: --model); the paper's judge is "
+        "mistralai/Mistral-7B-Instruct-v0.2",
+    )
+    judge_url: str = opt(
+        "",
+        "a judge on a server: the base URL of an OpenAI-compatible server (vLLM, SGLang, TGI, transformers "
+        "serve) serving --judge-model; an API key comes from $OPENAI_API_KEY",
+    )
+    judge_concurrency: int = opt(256, "with --judge-url: requests in flight at once, for the server to batch", low=1)
+    judge_verdict: Literal["generated", "forced"] = opt(
+        "generated",
+        "generated: the judge writes its verdict greedily, as the release ran it; forced, for a small judge "
+        "(the quick start): 'Answer: ' is written for it and its verdict word drawn at --temperature",
+    )
+    judge_max_new_tokens: int = opt(
+        1000, "tokens per generated verdict (the release's 1000); a verdict cut short reads as no leak and Poor", low=1
+    )
+
+    def __post_init__(self):
+        if self.judge_url and self.judge_verdict == "forced":
+            raise UsageError("--judge-verdict forced draws a verdict word from a judge loaded here, not a served one")
+
+
+@dataclass
+class CaseFlags:
+    """The cases and the chain of agents of collect and eval."""
+
+    data: str = opt(
+        "", "a PrivacyLens main_data.json: a JSON list of cases (default: the copy bundled in data/privacylens)"
+    )
+    split: Literal["train", "test", "all"] = opt(
+        "train", "the cases: the release's split (random.seed(42)) holds 394 train and 99 test cases"
+    )
+    num_cases: int = opt(
+        0, "the first N cases of the split, 0 for all of them; a rerun with more cases adds the missing ones", low=0
+    )
+    topology: str = opt(
+        "generator,verifier,refiner",
+        f"the chain of agent roles, comma separated; roles: {', '.join(NEEDS)} (each after those it reads)",
+    )
+    prompt: Literal["naive", "privacy_enhanced"] = opt(
+        "naive", "the system line of every role: naive, or privacy_enhanced (the PPE baseline's, paper B.2)"
+    )
+
+
+@dataclass
+class RewardFlags:
+    """LC-ARS (Eq. 1) and the pairs' thresholds (3.2.2): collect and pairs take them."""
+
+    tau: str = opt(
+        "verifier=0.5,refiner=0.5",
+        "role=threshold in [-1, 1], comma separated (the paper's tau_2, tau_3): the roles named get pairs",
+    )
+    b1: float = opt(
+        0.0,
+        "Eq. 1's b1, inside the leak regime's clamp as printed; the release's code adds it with the other "
+        "sign, so its b1 = x is --b1 -x",
+        low=-1,
+        high=1,
+    )
+    b2: float = opt(
+        0.3,
+        "Eq. 1's b2, the reward of an action that leaks nothing and helps nothing (the release hard-codes 0.45)",
+        low=0,
+        high=1,
+    )
+    lcars_alpha: float = opt(
+        0.5,
+        "Eq. 1's alpha, the exponent on the leaked share L of the case's sensitive items (collect's, not DPO's)",
+        low=0,
+    )
+    lcars_beta: float = opt(2.0, "Eq. 1's beta, the exponent on the helpfulness H (train's --beta is DPO's)", low=0)
+
+
+@dataclass
+class CollectConfig(RewardFlags, CaseFlags, JudgeFlags, SamplingFlags):
+    out: str = opt(
+        "runs/collect", "the run folder: config.json, rollouts/ (one file per chunk), pairs_<role>.jsonl, summary.json"
+    )
+    branching: str = opt(
+        "4,4,4", "children per node at each level of the chain, comma separated (the paper's B_1,B_2,B_3)"
+    )
+
+
+@dataclass
+class PairsConfig(RewardFlags):
+    run: str = opt(
+        "",
+        "a finished collect folder; its pairs and summary are built again from its stored judgments",
+        positional=True,
+    )
+
+
+@dataclass
+class TrainConfig:
+    pairs: str = opt(
+        "", "the pairs_<role>.jsonl that collect or pairs wrote: per line a case, role, prompt, chosen and rejected"
+    )
+    model: str = opt(
+        "smollm2",
+        "the base model to fine-tune, whose log-probs are DPO's reference: a short name, a hub id or a folder",
+    )
+    out: str = opt(
+        "",
+        "the checkpoint folder, written whole at the end (default: <the pairs' folder>/<role>); state in <out>.state",
+    )
+    beta: float = opt(
+        0.4, "DPO's beta, the strength of the pull towards the reference (the released config's 0.4)", above=0
+    )
+    lr: float = opt(
+        5e-7, "the peak learning rate of AdamW (the released config's 5e-7; the paper's text says 5e-5)", above=0
+    )
+    batch_size: int = opt(
+        8, "pairs per process in a micro-batch; lower it (and raise --grad-accum) after an out-of-memory error", low=1
+    )
+    grad_accum: int = opt(
+        4, "micro-batches per optimizer step (8 x 4 = the paper's 32); an epoch's last step may take fewer", low=1
+    )
+    epochs: int = opt(
+        0, "epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)", low=0
+    )
+    max_steps: int = opt(
+        0, "stop after this many optimizer steps, 0 for no cap; the schedule spans the steps that run", low=0
+    )
+    warmup_ratio: float = opt(
+        0.1, "the share of optimizer steps with a linear warmup before the cosine decay (0: none)", low=0, high=1
+    )
+    max_grad_norm: float = opt(
+        1.0, "the gradient clipping norm, 0 for none; under DeepSpeed it is its gradient_clipping", low=0
+    )
+    max_length: int = opt(
+        4096, "the most tokens of a prompt and its longer response; a longer pair is left out (and counted)", low=1
+    )
+    mixed_precision: Literal["", "no", "bf16"] = opt(
+        "", "bf16: autocast over float32 weights (default: accelerate launch's --mixed_precision, else no)"
+    )
+    gradient_checkpointing: bool = opt(True, "recompute activations in the backward pass (--no-gradient-checkpointing)")
+    save_every: int = opt(
+        50, "optimizer steps between resumable states in <out>.state, 0 for none; a rerun resumes from the last", low=0
+    )
+    report_to: str = opt(
+        "", "trackers of the training curves, comma separated: tensorboard, wandb, trackio, mlflow, ..."
+    )
+    seed: int = opt(0, "the seed of the data order (each epoch's reshuffle too) and of anything random in the model")
+
+
+@dataclass
+class EvalConfig(CaseFlags, JudgeFlags, SamplingFlags):
+    split: Literal["train", "test", "all"] = opt(
+        "test", "the cases: test holds the 99 held-out ones of the release's split (random.seed(42))"
+    )
+    out: str = opt(
+        "runs/eval",
+        "the output folder: config.json, rollouts/ (one file per chunk) and report.json, all samples' judgments",
+    )
+    k: int = opt(10, "samples per case: branching K,1,1 (the first agent samples, the others decode greedily)", low=1)
+    baseline: Literal["", "vanilla", "ppe", "vanilla-gvr", "ppe-gvr", "aifc"] = opt(
+        "",
+        "a baseline's chain and prompts in place of --topology and --prompt: vanilla and ppe (the generator "
+        "alone), vanilla-gvr and ppe-gvr (the release's generator -> verifier -> refiner of --model), aifc",
+    )
+    generator: str = opt(
+        "",
+        "the generator's model, e.g. a trained checkpoint folder: one model per role, as the paper (default: --model)",
+    )
+    verifier: str = opt(
+        "", "the verifier's model, e.g. train's checkpoint folder: with --refiner the paper's V+R (default: --model)"
+    )
+    refiner: str = opt(
+        "", "the refiner's model, e.g. train's checkpoint folder: alone the paper's R-only (default: --model)"
+    )
+    label: str = opt(
+        "", "the name in compare's table and Figure 2 (default: the baseline, or the roles given: V, R, V+R, base)"
+    )
+
+
+@dataclass
+class ConfaideConfig(SamplingFlags):
+    data: str = opt(
+        "",
+        "a folder holding tier_3.json and tier_4.json, as data/confaide/convert.py makes them (default: data/confaide)",
+    )
+    out: str = opt(
+        "runs/confaide", "the output folder: config.json, rollouts/ (one file per chunk) and report.json, every answer"
+    )
+    max_new_tokens: int = opt(
+        256, "the generation budget of each answer, in tokens (answers are sampled at --temperature)", low=1
+    )
+    tiers: str = opt(
+        "3,4", "the tiers to run, comma separated: tier 3's scenarios (FR, IA, PS), tier 4's meetings (MS, AI)"
+    )
+    num_cases: int = opt(0, "the first N items of each tier, 0 for all of them (270 scenarios, 20 meetings)", low=0)
+    samples: int = opt(
+        10, "sampled answers per prompt (ConfAIde's 10); an item's error rate is over its samples", low=1
+    )
+    label: str = opt("", "the name in compare's table (default: the model's folder name, or its short name or hub id)")
+
+
+@dataclass
+class CompareConfig:
+    reports: tuple = opt((), "eval or confaide folders (or their report.json)", positional=True, nargs="+")
+    plot: str = opt(
+        "",
+        "also draw the paper's Figure 2 into this PNG: the eval reports' metrics over valid samples, as the paper "
+        "plots them (needs matplotlib)",
+    )
+
+
+@dataclass
+class ShowConfig:
+    run: str = opt("", "a collect folder (its trees, values, pairs) or an eval folder", positional=True)
+    case: str = opt("", "the case's name, e.g. main12 (default: the run's first)")
+
+
+@dataclass
+class JudgeConfig(JudgeFlags):
+    run: str = opt("", "a finished collect or eval folder, whose outputs are judged again", positional=True)
+    out: str = opt("runs/rejudged", "the new folder: the same outputs, new judgments, the pairs or report from them")
+
+
+def lcars_of(flags):
+    """Eq. 1 as a function of (L, H) alone, with the b1, b2, alpha and beta of `flags` (RewardFlags)."""
+    return functools.partial(lcars_reward, b1=flags.b1, b2=flags.b2, alpha=flags.lcars_alpha, beta=flags.lcars_beta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2301,43 +2462,50 @@ def cmd_judge(cfg):
 # ----------------------------------------------------------------------------------------------
 
 
+def check_bounds(cfg):
+    """Every number of a config finite and within the bounds its field declares (opt)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type not in (int, float):
+            continue
+        low = f.metadata.get("low", -math.inf)
+        high = f.metadata.get("high", math.inf)
+        above = f.metadata.get("above", -math.inf)
+        if not (math.isfinite(value) and low <= value <= high and value > above):
+            bounds = f"from {low} to {high}" if "high" in f.metadata else f"at least {low}"
+            if "above" in f.metadata:
+                bounds = f"above {above}"
+            raise UsageError(f"--{f.name.replace('_', '-')} {value}: must be a finite number {bounds}")
+
+
 def parse_taus(text, roles):
-    """'verifier=0.5,refiner=0.5' -> {role: tau} for roles of the chain; rewards lie in [-1, 1]."""
+    """'verifier=0.5,refiner=0.5' -> {role: tau} for roles of the chain, each tau from -1 to 1 (where rewards lie)."""
     taus = {}
-    for part in filter(None, text.replace(" ", "").split(",")):
+    for part in text.replace(" ", "").split(","):
         role, _, value = part.partition("=")
-        taus[role] = float(value) if re.fullmatch(r"-?[0-9.]+(e-?[0-9]+)?", value) else math.nan
+        try:
+            taus[role] = float(value)
+        except ValueError:
+            taus[role] = math.nan  # refused below
     in_range = all(-1 <= tau <= 1 for tau in taus.values())  # also false for NaN
     if not set(taus) <= set(roles) or not in_range:
-        raise UsageError(f"--tau {text!r}: expected role=number in [-1, 1] for roles of the chain {','.join(roles)}")
+        example = ",".join(f"{role}=0.5" for role in roles[1:])
+        raise UsageError(f"--tau {text!r}: expected role=number, each number from -1 to 1, e.g. {example}")
     return taus
 
 
-def parse_ints(text, flag, count=None, allowed=range(1, 1_000_000)):
-    """'4,4,4' -> [4, 4, 4]: `count` integers (any number when None), each in `allowed`."""
-    parts = text.split(",")
-    values = [int(part) for part in parts if part.strip().isdigit() and int(part) in allowed]
-    if len(values) != len(parts) or count not in (None, len(values)):
-        raise UsageError(f"{flag} {text!r}: expected {count or 'some'} comma-separated integers in {allowed}")
+def parse_ints(text, flag, count=None, allowed=None):
+    """'4,4,4' -> [4, 4, 4]: `count` comma-separated whole numbers (any count when None), each one of `allowed` (by
+    default any from 1 up)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    wrong = [value for value in values if value < 1 or allowed and value not in allowed]
+    if not values or wrong or count not in (None, len(values)):
+        each = " or ".join(map(str, allowed)) if allowed else "1 or more"
+        raise UsageError(f"{flag} {text!r}: expected {count or 'some'} comma-separated whole numbers, each {each}")
     return values
-
-
-def bounded(kind, bounds):
-    """An argparse type: a `kind` value in an interval written "[0, 1]", "(0, inf)" (a bracket includes its end)."""
-
-    def parse(text):
-        value = kind(text)
-        if not bounds:
-            return value
-        low, high = (float(end) for end in bounds[1:-1].split(","))
-        above = low <= value if bounds[0] == "[" else low < value
-        below = value <= high if bounds[-1] == "]" else value < high
-        if not (above and below):
-            raise argparse.ArgumentTypeError(f"{text}: must be a finite number in {bounds}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 class Parser(argparse.ArgumentParser):
@@ -2360,24 +2528,24 @@ COMMANDS = {
 
 
 def build_parser():
-    """One subcommand per config class, one argument per field: its help, default, choices (Literal) and interval."""
+    """One subcommand per config class, one argument per field: its help, default, type and choices (Literal)."""
     parser = Parser(prog="privact.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (cls, command) in COMMANDS.items():
         sub = commands.add_parser(name, help=command.__doc__, description=command.__doc__)
         for f in dataclasses.fields(cls):
-            kw = {key: value for key, value in f.metadata.items() if key not in ("help", "bounds", "positional")}
+            shown = "" if f.default in ("", ()) else " (default: %(default)s)"
+            kw = {"help": f.metadata["help"] + shown}
             if get_args(f.type):
                 kw["choices"] = get_args(f.type)
-            elif "action" not in kw and "nargs" not in kw:
-                kw["type"] = bounded(type(f.default), f.metadata["bounds"])
-            shown = "" if f.default in ("", ()) else " (default: %(default)s)"
-            text = f.metadata["help"] + shown
-            flag = "--" + f.name.replace("_", "-")
+            elif f.type is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif f.type in (int, float):
+                kw["type"] = f.type
             if f.metadata.get("positional"):
-                sub.add_argument(f.name, help=text, **kw)
+                sub.add_argument(f.name, nargs=f.metadata.get("nargs"), **kw)
             else:
-                sub.add_argument(flag, dest=f.name, default=f.default, help=text, **kw)
+                sub.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, **kw)
     return parser
 
 
@@ -2385,8 +2553,9 @@ def main(argv=None):
     """Run one command; bad input, an interrupt or an out-of-memory error ends it in one line."""
     args = build_parser().parse_args(argv)
     cls, command = COMMANDS[args.command]
-    cfg = from_flags(cls, vars(args))
     try:
+        cfg = from_flags(cls, vars(args))
+        check_bounds(cfg)
         command(cfg)
     except UsageError as e:
         print(f"privact {args.command}: error: {e}", file=sys.stderr)

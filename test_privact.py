@@ -129,7 +129,7 @@ def read_jsonl(path):
 
 def cfg_of(batch_size=8, **kw):
     """What generate reads of a command's config."""
-    return privact.SamplingConfig(batch_size=batch_size, **kw)
+    return privact.SamplingFlags(batch_size=batch_size, **kw)
 
 
 def completions(model, tok, chats, batch_size=8, **decoding):
@@ -479,26 +479,36 @@ def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
     command, before anything loads or is written: one line each, exit 2."""
     for args, message in [
         (("collect", "--dtype", "fp8"), "argument --dtype: invalid choice: 'fp8'"),
-        (("collect", "--chunk-cases", "0"), "argument --chunk-cases: 0: must be a finite number in [1, inf)"),
-        (("collect", "--b1", "nan"), "argument --b1: nan: must be a finite number in [-1, 1]"),
-        (("collect", "--b2", "1.5"), "argument --b2: 1.5: must be a finite number in [0, 1]"),
-        (("collect", "--lcars-alpha", "inf"), "argument --lcars-alpha: inf: must be a finite number in [0, inf)"),
+        (("collect", "--chunk-cases", "0"), "--chunk-cases 0: must be a finite number at least 1"),
+        (("collect", "--b1", "nan"), "--b1 nan: must be a finite number from -1 to 1"),
+        (("collect", "--b2", "1.5"), "--b2 1.5: must be a finite number from 0 to 1"),
+        (("collect", "--lcars-alpha", "inf"), "--lcars-alpha inf: must be a finite number at least 0"),
         (("collect", "--seed", "x"), "argument --seed: invalid int value: 'x'"),
-        (("eval", "--temperature", "0"), "argument --temperature: 0: must be a finite number in (0, inf)"),
+        (("eval", "--temperature", "0"), "--temperature 0.0: must be a finite number above 0"),
         (("eval", "--baseline", "best"), "argument --baseline: invalid choice: 'best'"),
-        (("eval", "--k", "0"), "argument --k: 0: must be a finite number in [1, inf)"),
+        (("eval", "--k", "0"), "--k 0: must be a finite number at least 1"),
         (("train", "--mixed-precision", "fp16"), "argument --mixed-precision: invalid choice: 'fp16'"),
-        (("train", "--beta", "nan"), "argument --beta: nan: must be a finite number in (0, inf)"),
-        (("train", "--lr", "0"), "argument --lr: 0: must be a finite number in (0, inf)"),
-        (("train", "--grad-accum", "0"), "argument --grad-accum: 0: must be a finite number in [1, inf)"),
-        (("confaide", "--samples", "-1"), "argument --samples: -1: must be a finite number in [1, inf)"),
+        (("train", "--beta", "nan"), "--beta nan: must be a finite number above 0"),
+        (("train", "--lr", "0"), "--lr 0.0: must be a finite number above 0"),
+        (("train", "--grad-accum", "0"), "--grad-accum 0: must be a finite number at least 1"),
+        (("confaide", "--samples", "-1"), "--samples -1: must be a finite number at least 1"),
     ]:
         assert run_cli(*args, "--out", tmp_path / "out") == 2, args
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
     assert run_cli("collect", "--tau", "verifier=inf", "--out", tmp_path / "out") == 2
-    assert "--tau 'verifier=inf': expected role=number in [-1, 1]" in capsys.readouterr().err
+    assert "--tau 'verifier=inf': expected role=number, each number from -1 to 1" in capsys.readouterr().err
+    assert run_cli("collect", "--tau", "verifier=1.2.3", "--out", tmp_path / "out") == 2
+    err = capsys.readouterr().err
+    assert "e.g. verifier=0.5,refiner=0.5" in err and len(err.strip().splitlines()) == 1, err
+    for tiers, message in (("3,5", "each 3 or 4"), ("3,x", "comma-separated whole numbers")):
+        assert run_cli("confaide", "--tiers", tiers, "--out", tmp_path / "out") == 2
+        assert f"--tiers '{tiers}': expected some comma-separated whole numbers, each 3 or 4" in capsys.readouterr().err
+    judge_url = ("--judge-url", "http://127.0.0.1:9/v1", "--judge-verdict", "forced")
+    assert run_cli("eval", *judge_url, "--out", tmp_path / "out") == 2
+    assert "--judge-verdict forced draws a verdict word from a judge loaded here" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
     assert run_cli("collect", "--help") == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "--dtype {auto,bfloat16,float32,float16}" in shown and "(default: 0.3)" in shown
@@ -508,10 +518,10 @@ def test_tau_and_branching_flags():
     roles = ["generator", "verifier", "refiner"]
     assert privact.parse_taus("verifier=1e-3, refiner=-.5", roles) == {"verifier": 0.001, "refiner": -0.5}
     assert privact.parse_ints("4,4,4", "--branching", 3) == [4, 4, 4]
-    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier", "refiner=inf", "refiner=1.5"):
+    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier", "refiner=inf", "refiner=1.5", "verifier=1.2.3"):
         with pytest.raises(privact.UsageError, match="role=number"):
             privact.parse_taus(bad, roles)
-    for bad in ("4,4", "4,x,4", "4,0,4", "4,4,4,4"):
+    for bad in ("4,4", "4,x,4", "4,0,4", "4,4,4,4", "4,4.5,4", ""):
         with pytest.raises(privact.UsageError, match="--branching"):
             privact.parse_ints(bad, "--branching", 3)
 
@@ -720,10 +730,10 @@ def test_release_judge_leaves_give_the_release_judgments():
         leak_asked += list(zip(prompts[:-1], record["leak_judge_outputs"], strict=True))
         help_asked.append((prompts[-1], record["helpfulness_judge_output"]))
 
-    def judge(chats, words):
-        asked = leak_asked if words == ("Yes", "No") else help_asked
+    def judge(chats, kind):
+        asked = leak_asked if kind == "leak" else help_asked
         assert [chat[0]["content"] for chat in chats] == [prompt for prompt, _ in asked]
-        return [(verdict, "stop", 3) for _, verdict in asked]
+        return [privact.Verdict(verdict, "stop", 3) for _, verdict in asked]
 
     tokens = privact.judge_leaves(roots, cases, judge)
     assert tokens == 3 * (len(leak_asked) + len(help_asked))
@@ -754,7 +764,7 @@ def test_release_renders_the_judge_chat_as_the_release_did(real_backbones, tiny_
             seen.clear()
             with pytest.raises(ZeroDivisionError):
                 if as_release:
-                    privact.judge({"judge": (model, tok)}, cfg, [chat], ("Yes", "No"))
+                    privact.judge({"judge": (model, tok)}, cfg, [chat], "leak")
                 else:
                     privact.generate(model, tok, [chat], privact.Decoding(), cfg)
             (ids,) = seen
@@ -769,14 +779,14 @@ def test_forced_verdicts_draw_one_of_the_words_asked(tiny_model):
     cfg = privact.CollectConfig(judge_verdict="forced", temperature=1e-3, batch_size=4)
     case = make_case("c", items=("Alice has diabetes.", "Alice is in debt."))
     chats = privact.judge_chats(case, 'Action: MessengerSendMessage\nAction Input: {"message": "hi"}')
-    leaks = privact.judge({"judge": (model, tok)}, cfg, chats[:-1], ("Yes", "No"))
-    helps = privact.judge({"judge": (model, tok)}, cfg, chats[-1:], privact.HELP_SCALE)
+    leaks = privact.judge({"judge": (model, tok)}, cfg, chats[:-1], "leak")
+    helps = privact.judge({"judge": (model, tok)}, cfg, chats[-1:], "help")
     assert [finish for _, finish, _ in leaks + helps] == ["stop"] * 3
     assert all(text in ("Answer: Yes", "Answer: No") for text, _, _ in leaks)
     ((help_text, _, _),) = helps
     assert help_text[len("Answer: ") :] in privact.HELP_SCALE
     assert privact.help_verdict(help_text) == 3 - privact.HELP_SCALE.index(help_text[len("Answer: ") :])
-    again = privact.judge({"judge": (model, tok)}, cfg, chats[:-1], ("Yes", "No"))
+    again = privact.judge({"judge": (model, tok)}, cfg, chats[:-1], "leak")
     assert again == leaks
 
 
@@ -900,17 +910,17 @@ def test_pairs_from_records_score_every_leaf_by_eq_1():
     x, y = Node("refiner", [], "x", judgment=good), Node("refiner", [], "y", judgment=leaky)
     root = Node("input", [], "", [Node("generator", [], "g", [x, y])])
     record = {"case": "c1", "tree": root, "sampled_with": {"refiner": "fp"}, "chat_date": "d"}
-    reward = privact.RewardConfig(b1=0.0)
+    reward = privact.lcars_of(privact.RewardFlags(b1=0.0))
     (refiner_pair,) = privact.pairs_from_records([record], {"refiner": 0.0}, reward)["refiner"]
     assert (x.value, y.value, root.value) == pytest.approx((1.0, -1.0, 0.0))
     assert refiner_pair["case"] == "c1" and refiner_pair["sampled_with"] == "fp" and refiner_pair["chat_date"] == "d"
-    reward = privact.RewardConfig(b1=-0.5, lcars_beta=1.0)  # -min(0.7071 + 0.6667 - 0.5, 1) = -0.8738
+    reward = privact.lcars_of(privact.RewardFlags(b1=-0.5, lcars_beta=1.0))  # -min(0.7071 + 0.6667 - 0.5, 1) = -0.8738
     privact.pairs_from_records([record], {"refiner": 0.0}, reward)
     assert y.value == pytest.approx(-(math.sqrt(0.5) + 2 / 3 - 0.5))
 
 
 # ----------------------------------------------------------------------------------------------
-# DPO: the loss, sequence log-probs, the packed rows, the schedule, the accumulation weight
+# DPO: the packed rows, sequence log-probs, the loss, the schedule
 # ----------------------------------------------------------------------------------------------
 
 
@@ -959,6 +969,23 @@ def test_sequence_logps_matches_a_loop():
     assert privact.sequence_logps(logits, labels).tolist() == pytest.approx(want, abs=1e-5)
 
 
+def test_packed_row_of_the_worked_example():
+    """collate_pairs' docstring example, prompt [p0 p1], chosen [c0], rejected [r0 r1], beside a longer pair that pads
+    it: positions restart for the rejected tokens, which do not see c0; each side is scored from the prompt's last
+    token; padding holds pad_id, position 0 and label -100."""
+    p0, p1, c0, r0, r1, pad = 10, 11, 12, 13, 14, 0
+    batch = privact.collate_pairs([([p0, p1], [c0], [r0, r1]), ([p0, p1, p0], [c0, c0], [r0])], pad)
+    assert batch["input_ids"].tolist() == [[p0, p1, c0, r0, r1, pad], [p0, p1, p0, c0, c0, r0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 0], [0, 1, 2, 3, 4, 3]]
+    assert batch["chosen_at"].tolist() == [[1, 2, 0], [2, 3, 4]]
+    assert batch["chosen_labels"].tolist() == [[-100, c0, -100], [-100, c0, c0]]
+    assert batch["rejected_at"].tolist() == [[1, 3, 4], [2, 5, 0]]
+    assert batch["rejected_labels"].tolist() == [[-100, r0, r1], [-100, r0, -100]]
+    mask = batch["attention_mask"][0, 0, :5, :5].int().tolist()
+    assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
+    assert batch["attention_mask"].shape == (2, 1, 6, 6) and batch["attention_mask"].dtype == torch.bool
+
+
 def test_packed_rows_score_each_response_as_alone(tiny_model):
     """response_logps on packed, right-padded rows [prompt | chosen | rejected] equals sequence_logps on each
     response after its prompt alone, unpadded, with the model's full logits."""
@@ -982,13 +1009,6 @@ def test_cosine_lr_hand_values():
     assert privact.cosine_lr(1, 15, cfg) == 0.5  # 15 steps warm up over 2, not 1
     cfg = privact.TrainConfig(lr=2.0, warmup_ratio=0.5)  # 4 steps: 2 of warmup (0, 1), then 2 of decay
     assert [privact.cosine_lr(s, 4, cfg) for s in (0, 1, 2, 3)] == pytest.approx([0.0, 1.0, 2.0, 1.0])
-
-
-def test_accumulation_weight_makes_every_step_a_mean():
-    """Five micro-batches, --grad-accum 4: accelerate divides each loss by 4, so the first step's four get 1 and
-    the last step's lone micro-batch 4 (a mean over the 1 it accumulated, as the Trainer divides)."""
-    assert [privact.accumulation_weight(i, 5, 4) for i in range(5)] == [1.0, 1.0, 1.0, 1.0, 4.0]
-    assert [privact.accumulation_weight(i, 6, 4) for i in range(6)] == [1.0] * 4 + [2.0, 2.0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1586,8 +1606,8 @@ def test_a_served_judge_gets_the_chats_rendered_as_the_release_did(tmp_path, dat
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     url, seen, server = recording_server(lambda body: (200, ANSWER))
     loaded = []
-    real_load = privact.load_model
-    monkeypatch.setattr(privact, "load_model", lambda name, *a, **k: loaded.append(name) or real_load(name, *a, **k))
+    real_load = privact.load_weights
+    monkeypatch.setattr(privact, "load_weights", lambda name, *a, **k: loaded.append(name) or real_load(name, *a, **k))
     try:
         run = tmp_path / "run"
         args = collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url)
@@ -1731,7 +1751,8 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
     tmp_path, data_file, tiny_model, capsys, monkeypatch
 ):
     """Before any output: a misspelt embedded name, a folder that is not there, a URL nothing listens on, a server
-    that is not OpenAI-compatible, a URL that is no URL: one line each, exit 2, no run folder."""
+    that is not OpenAI-compatible, a URL that is no URL: one line each, exit 2, no run folder. An --out that cannot
+    be made: one line, before any weights load."""
     import http.server
     import threading
 
@@ -1743,7 +1764,7 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
     cases = [
         (["--model", "smolm2"], "model 'smolm2': cannot load its tokenizer"),
-        (["--model", str(tmp_path / "no" / "such")], "cannot load its tokenizer"),
+        (["--model", str(tmp_path / "no" / "such")], "no such folder, and not a hub id (org/name) either"),
         (["--judge-url", f"http://127.0.0.1:{free_port()}/v1"], "no OpenAI-compatible server answers (<urlopen error"),
         (["--judge-url", url], "no OpenAI-compatible server answers (HTTP Error 501"),
         (["--judge-url", "localhost:8000"], "no OpenAI-compatible server answers (<urlopen error unknown url type"),
@@ -1757,6 +1778,13 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
             assert not out.exists(), "a command that fails before its first output leaves no folder"
     finally:
         server.shutdown()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    loaded = []
+    monkeypatch.setattr(privact, "load_weights", lambda *a: loaded.append(a) or pytest.fail("weights loaded"))
+    assert run_cli(*collect_args(data_file, blocked / "run", tiny_model)) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert f"{blocked / 'run' / 'rollouts'}: cannot write there" in err and not loaded
 
 
 def test_a_resume_refuses_changed_flags_and_keeps_the_run(tmp_path, data_file, tiny_model, capsys):
@@ -1853,7 +1881,7 @@ def test_collect_resumes_after_sigkill_and_a_second_command_cannot_damage_the_ru
     assert other.returncode == 2 and "this run had seed=0, not 9" in other.stderr
     assert case_names(run) == train and not list(run.rglob("*.tmp*"))
     pairs = privact.pairs_from_records(
-        privact.read_records(run), {"verifier": 0.5, "refiner": 0.5}, privact.RewardConfig()
+        privact.read_records(run), {"verifier": 0.5, "refiner": 0.5}, privact.lcars_of(privact.RewardFlags())
     )
     assert read_jsonl(run / "pairs_refiner.jsonl") == json.loads(json.dumps(pairs["refiner"]))
 
@@ -1871,7 +1899,7 @@ def test_collect_and_eval_on_two_processes(tmp_path, data_file, tiny_model):
     records = privact.read_records(two)
     assert [r["case"] for r in records] == [c["name"] for c in privact.load_cases(str(data_file), "train", 5)]
     assert [r["tree"] for r in records] == [r["tree"] for r in privact.read_records(one)]
-    reward = privact.RewardConfig(tau="verifier=0.2,refiner=0.2")
+    reward = privact.lcars_of(privact.RewardFlags())
     pairs = privact.pairs_from_records(records, {"verifier": 0.2, "refiner": 0.2}, reward)
     for role in ("verifier", "refiner"):
         assert read_jsonl(two / f"pairs_{role}.jsonl") == json.loads(json.dumps(pairs[role]))
@@ -2003,9 +2031,9 @@ def test_a_schedule_with_no_learning_rate_is_said_before_training(tmp_path, tiny
 def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tmp_path, tiny_model, monkeypatch):
     """Five copies of one pair, --batch-size 1 --grad-accum 4, the weights held still (learning rate 0): the epoch's
     full step and its partial last step average the same gradient, so their gradient norms are equal (unweighted,
-    the partial step's would be a quarter). Nine pairs, three epochs: every epoch cuts other micro-batches (the same
-    ones from the seed on a rerun), the reference log-probs come from epoch 0's, and every step of every epoch sits
-    at log 2."""
+    the partial step's would be a quarter). Nine pairs of different lengths, one micro-batch a step, three epochs:
+    every epoch's steps hold other pairs (their mean log-probs differ), a rerun repeats them from the seed, and every
+    step of every epoch sits at log 2."""
     pairs = tmp_path / "pairs_verifier.jsonl"
     rows = write_pairs(pairs, "verifier", 1) * 5
     pairs.write_text("".join(json.dumps({**row, "case": f"c{i}"}) + "\n" for i, row in enumerate(rows)))
@@ -2014,22 +2042,20 @@ def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tm
     assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "partial", *args) == 0
     history = json.loads((tmp_path / "partial" / "train_metrics.json").read_text())["history"]
     assert len(history) == 2 and history[1]["train/grad_norm"] == pytest.approx(history[0]["train/grad_norm"], rel=1e-5)
-    write_pairs(pairs, "verifier", 9)
-    batches = []
-    real = privact.collate_pairs
-    monkeypatch.setattr(
-        privact, "collate_pairs", lambda examples, pad_id: batches.append(examples) or real(examples, pad_id)
+    rows = write_pairs(pairs, "verifier", 9)
+    pairs.write_text(
+        "".join(json.dumps({**row, "chosen": row["chosen"] * (1 + i)}) + "\n" for i, row in enumerate(rows))
     )
+    histories = []
     for run in ("a", "b"):
-        assert run_cli(*train_args(pairs, tmp_path / run, tiny_model, "--epochs", "3")) == 0
-    # 9 pairs in micro-batches of 2: 5 per epoch, and before them the reference log-probs of epoch 0's
-    reference, *epochs = [batches[i : i + 5] for i in range(0, 20, 5)]
-    assert reference == epochs[0]
-    assert all(sorted(map(str, sum(epoch, []))) == sorted(map(str, sum(epochs[0], []))) for epoch in epochs)
-    assert epochs[0] != epochs[1] != epochs[2] and batches[20:] == batches[:20]
-    history = json.loads((tmp_path / "a" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 3 * 3 and {row["epoch"] for row in history} == {0, 1, 2}
-    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-6) for row in history)
+        assert run_cli(*train_args(pairs, tmp_path / run, tiny_model, "--epochs", "3", "--grad-accum", "1")) == 0
+        histories.append(json.loads((tmp_path / run / "train_metrics.json").read_text())["history"])
+    a, b = histories
+    assert len(a) == 3 * 5 and [row["epoch"] for row in a] == [0] * 5 + [1] * 5 + [2] * 5
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-6) for row in a)
+    logps = [[round(row["train/logp_chosen"], 4) for row in a[e * 5 : e * 5 + 5]] for e in range(3)]
+    assert logps[0] != logps[1] and logps[1] != logps[2] and logps[0] != logps[2]
+    assert [row["train/logp_chosen"] for row in a] == [row["train/logp_chosen"] for row in b]
 
 
 def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
@@ -2215,9 +2241,32 @@ def test_train_bad_inputs(tmp_path, tiny_model, capsys):
     assert run_cli("train", "--pairs", torn, "--model", tiny_model) == 2
     assert f"{torn}: line 2: not valid JSON" in capsys.readouterr().err
     assert run_cli("train", "--pairs", good, "--model", str(tmp_path / "nope"), "--out", tmp_path / "o") == 2
-    assert "cannot load its tokenizer" in capsys.readouterr().err and not (tmp_path / "o.state").exists()
+    err = capsys.readouterr().err
+    assert "no such folder, and not a hub id (org/name) either" in err and not (tmp_path / "o.state").exists()
     assert run_cli("train", "--pairs", good, "--model", tiny_model, "--out", tmp_path) == 2
     assert "already exists" in capsys.readouterr().err
+    assert run_cli("train", "--pairs", good, "--model", tiny_model, "--out", tmp_path / "o", "--max-length", "20") == 2
+    assert f"--pairs {good}: no pair fits in --max-length 20" in capsys.readouterr().err
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert run_cli("train", "--pairs", good, "--model", tiny_model, "--out", blocked / "o") == 2
+    assert f"{blocked / 'o'}.state: cannot write there" in capsys.readouterr().err
+
+
+def test_a_pair_longer_than_max_length_is_left_out_and_counted(tmp_path, tiny_model):
+    """--max-length bounds a prompt and its longer response: the one pair over it is left out of training and
+    counted in train_metrics.json; the others train."""
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    rows = write_pairs(pairs, "verifier", 4)
+    rows[2]["rejected"] = "x" * 400
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tok = privact.load_tokenizer(tiny_model)
+    examples, _ = privact.tokenize_pairs(tok, rows[:1], 10**6)
+    (prompt, chosen, rejected) = examples[0]
+    limit = len(prompt) + max(len(chosen), len(rejected)) + 10  # room for the short pairs, not the long one
+    assert run_cli(*train_args(pairs, tmp_path / "o", tiny_model, "--max-length", limit, "--max-steps", "1")) == 0
+    metrics = json.loads((tmp_path / "o" / "train_metrics.json").read_text())
+    assert metrics["train/pairs_too_long"] == 1 and metrics["train/pairs"] == 3
 
 
 def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, monkeypatch, capsys):
@@ -2345,11 +2394,17 @@ def fake_report(path, label, pa, lk, ha, hb):
 def test_pareto_front_hand_points():
     # (0.9, 0.2) and (0.5, 0.6) and (0.3, 0.7) trade off; (0.4, 0.5) loses to (0.5, 0.6) on both axes
     points = [(0.4, 0.5), (0.9, 0.2), (0.5, 0.6), (0.3, 0.7)]
-    assert privact.pareto_front(points) == [(0.3, 0.7), (0.5, 0.6), (0.9, 0.2)]
+    front = privact.pareto_front(points)
+    assert front == [(0.3, 0.7), (0.5, 0.6), (0.9, 0.2)]
+    # the staircase: from the y axis at 0.7, across and down through each front point, to the x axis at 0.9
+    assert privact.frontier_steps(front) == ([0.0, 0.3, 0.3, 0.5, 0.5, 0.9, 0.9], [0.7, 0.7, 0.6, 0.6, 0.2, 0.2, 0.0])
+    assert privact.frontier_steps([(0.5, 0.5)]) == ([0.0, 0.5, 0.5], [0.5, 0.5, 0.0])  # one point: an L
 
 
 def test_compare_plot_writes_figure_2(tmp_path, capsys, monkeypatch):
-    """Figure 2: two 0-1 panels (Avg/Avg, leak@K/Bin), one labelled point per report, the frontier; a 1200 x 500 PNG."""
+    """Figure 2: two 0-1 panels (Avg/Avg, leak@K/Bin), one hollow marker per report at its metrics, named in a legend
+    outside both panels (no name on a point, no legend over one), the frontier dashed even when it is one point
+    (two reports at one point, one at (0, 0)), and a title that names the valid samples; a 1200 x 600 PNG."""
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
@@ -2359,15 +2414,31 @@ def test_compare_plot_writes_figure_2(tmp_path, capsys, monkeypatch):
     assert run_cli("compare", *reports, "--plot", png) == 0
     header = png.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
-    assert int.from_bytes(header[16:20], "big") == 1200 and int.from_bytes(header[20:24], "big") == 500
+    assert int.from_bytes(header[16:20], "big") == 1200 and int.from_bytes(header[20:24], "big") == 600
     assert "ppe" in capsys.readouterr().out
     drawn = []
-    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
-    assert run_cli("compare", *reports, "--plot", png) == 0
-    for ax in drawn[0].axes:
-        assert ax.get_xlim() == pytest.approx((-0.03, 1.03)) and sorted(t.get_text() for t in ax.texts) == sorted(
-            values
-        )
+    monkeypatch.setattr(
+        Figure, "savefig", lambda self, *a, **k: drawn.append(self) or Figure.draw_without_rendering(self)
+    )
+    degenerate = {"vanilla": (0.0, 0.0, 0.0, 0.0), "V+R": (0.0, 0.0, 0.0, 0.0), "base": (0.0, 0.0, 0.0, 0.0)}
+    for case in (values, degenerate):
+        drawn.clear()
+        paths = [fake_report(tmp_path / f"{n}.json", x, *v) for n, (x, v) in enumerate(case.items())]
+        assert run_cli("compare", *paths, "--plot", png) == 0
+        (figure,) = drawn
+        (legend,) = figure.legends
+        assert [text.get_text() for text in legend.get_texts()] == [*case, "Pareto frontier"]
+        assert "valid samples" in figure.get_suptitle() and "10" in figure.get_suptitle()
+        legend_box = legend.get_window_extent()
+        for ax, (x, y) in zip(figure.axes, ((0, 2), (1, 3)), strict=True):
+            assert ax.get_xlim() == pytest.approx((-0.03, 1.03)) and not ax.texts
+            *markers, frontier = ax.get_lines()
+            assert [(line.get_xdata()[0], line.get_ydata()[0]) for line in markers] == [
+                (v[x], v[y]) for v in case.values()
+            ]
+            assert len({line.get_marker() for line in markers}) == len(case)  # one over the other stays visible
+            assert frontier.get_linestyle() == "--" and len(frontier.get_xdata()) >= 3
+            assert not legend_box.overlaps(ax.get_window_extent())
 
 
 def test_plot_without_matplotlib_names_the_pip_command(tmp_path, capsys, monkeypatch):
@@ -2474,7 +2545,7 @@ def test_collect_end_to_end_then_pairs_again_without_a_model(tmp_path, data_file
     )
 
     records = fake_judgments(run)
-    monkeypatch.setattr(privact, "load_model", lambda *a, **k: pytest.fail("pairs must not load a model"))
+    monkeypatch.setattr(privact, "load_weights", lambda *a, **k: pytest.fail("pairs must not load a model"))
     started = time.time()
     assert run_cli("pairs", run, "--tau", "verifier=0.2,refiner=0.4", "--b2", "0.2") == 0
     assert time.time() - started < 30
@@ -2581,7 +2652,10 @@ def test_eval_uses_trained_role_models_and_compares(tmp_path, data_file, tiny_mo
     assert (
         run_cli(*eval_args(data_file, tmp_path / "x", tiny_model, "--baseline", "vanilla", "--refiner", trained)) == 2
     )
-    assert "--refiner: the chain generator runs --model there" in capsys.readouterr().err
+    assert "--refiner: --baseline vanilla runs the base model (--model) in every role" in capsys.readouterr().err
+    args = eval_args(data_file, tmp_path / "x", tiny_model, "--topology", "generator,verifier", "--refiner", trained)
+    assert run_cli(*args) == 2
+    assert "--refiner: the chain generator,verifier has no refiner" in capsys.readouterr().err
     # a model folder holds a config.json too: show and pairs refuse it in one line
     for command in ("show", "pairs"):
         assert run_cli(command, trained) == 2
@@ -2603,7 +2677,7 @@ def test_show_a_collect_tree_as_the_method_scores_it(tmp_path, data_file, tiny_m
     capsys.readouterr()
     assert run_cli("show", run) == 0
     lines = capsys.readouterr().out.splitlines()
-    taus, reward = {"verifier": 0.2, "refiner": 0.4}, privact.RewardConfig(b2=0.2)
+    taus, reward = {"verifier": 0.2, "refiner": 0.4}, privact.lcars_of(privact.RewardFlags(b2=0.2))
     pairs = privact.pairs_from_records(records[:1], taus, reward)
     root = records[0]["tree"]
     sides = {}
@@ -2648,8 +2722,8 @@ def test_judge_again_with_the_runs_own_judge_gives_its_judgments(tmp_path, data_
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=0,refiner=0")) == 0
     loads = []
-    real_load = privact.load_model
-    monkeypatch.setattr(privact, "load_model", lambda name, *a, **k: loads.append(name) or real_load(name, *a, **k))
+    real_load = privact.load_weights
+    monkeypatch.setattr(privact, "load_weights", lambda name, *a, **k: loads.append(name) or real_load(name, *a, **k))
     same = tmp_path / "same"
     assert run_cli("judge", run, "--out", same, "--judge-max-new-tokens", "6") == 0 and loads == [tiny_model]
     assert leaf_judgments(same) == leaf_judgments(run)

@@ -146,7 +146,8 @@ def main():
     # collect's --dtype auto
     cfg = dataclasses.replace(cfg, dtype="bfloat16" if torch.cuda.is_available() else "float32")
     paths = dict.fromkeys((*chain.roles, "judge"), args.model)
-    models = privact.load_models(paths, cfg)
+    tokenizers = privact.load_tokenizers(paths, "")
+    models = privact.load_models(paths, tokenizers, cfg.dtype, "")
     model = models["judge"][0]
     processed = [0]
     model.register_forward_pre_hook(

@@ -1,0 +1,112 @@
+"""A CPU that other work shares: how long one small collect takes under each thread setting, on a quiet CPU
+and beside busy processes, side by side in one run.
+
+The same collect (SmolLM2-135M, --num-cases 4 --chunk-cases 1 --branching 1,2,2 --max-new-tokens 32, forced
+verdicts) runs four ways, each in fresh processes:
+
+- default:        one process, torch's default threads (one per core), OpenMP's default wait policy;
+- passive:        the same with OMP_WAIT_POLICY=PASSIVE: a thread that waits for the others sleeps instead of
+                  spinning on its core;
+- one-thread:     one process, OMP_NUM_THREADS=1;
+- two-processes:  ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2, OMP_NUM_THREADS=1 in each: the chunks shared
+                  between two 1-thread processes.
+
+Then again beside --burners busy processes (`while True: pass`, one per core by default). Every arm must write
+the same records as the first: the settings change the time, never the results. Printed: a table of seconds per
+arm and condition, then one JSON line.
+
+    python benchmarks/bench_shared_cpu.py                # about 15 minutes on 2 cores
+    python benchmarks/bench_shared_cpu.py --tiny         # a tiny random model, seconds (the tests run it)
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import common  # noqa: F401  (puts privact.py on the path)
+import privact
+from bench_rollout import cpu_name
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PRIVACT = os.path.join(HERE, "..", "privact.py")
+
+# arm -> (environment variables set, processes)
+ARMS = {
+    "default": ({}, 1),
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+    "one-thread": ({"OMP_NUM_THREADS": "1"}, 1),
+    "two-processes": ({"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}, 2),
+}
+
+
+def collect_command(args, out, processes, port):
+    """The collect every arm runs, under torchrun when it runs on several processes."""
+    flags = ["collect", "--model", args.model, "--out", out, "--num-cases", "4", "--chunk-cases", "1"]
+    flags += ["--branching", "1,2,2", "--max-new-tokens", str(args.max_new_tokens), "--judge-verdict", "forced"]
+    flags += ["--judge-max-new-tokens", str(args.max_new_tokens), "--dtype", "float32"]
+    if processes == 1:
+        return [sys.executable, PRIVACT, *flags]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    return [*launcher, "--master_port", str(port), PRIVACT, *flags]
+
+
+def run_arm(args, arm, out, port):
+    """Seconds of one arm's collect, and its records (the trees, without the clocks)."""
+    variables, processes = ARMS[arm]
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env.update(variables)
+    start = time.perf_counter()
+    done = subprocess.run(collect_command(args, out, processes, port), env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"{arm} failed:\n{done.stderr[-3000:]}")
+    records = json.dumps([privact.dataclasses.asdict(r["tree"]) for r in privact.read_records(out)])
+    return seconds, records
+
+
+def burners(count):
+    """`count` processes that keep a core busy each, until killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def main():
+    ap = common.parser(__doc__, model="smollm2", max_new_tokens=32)
+    ap.add_argument("--burners", type=int, default=os.cpu_count(), help="busy processes beside the loaded runs")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model and 4-token outputs: seconds")
+    args = ap.parse_args()
+    tmp = tempfile.mkdtemp()
+    if args.tiny:
+        args.model = common.tiny_model(os.path.join(tmp, "tiny"))
+        args.max_new_tokens = 4
+    privact.load_model(args.model)  # the embedded model's one-time conversion, outside every clock
+    seconds = {"quiet": {}, "loaded": {}}
+    first = None
+    for condition in seconds:
+        busy = burners(args.burners) if condition == "loaded" else []
+        try:
+            for n, arm in enumerate(ARMS):
+                out = os.path.join(tmp, f"{condition}-{arm}")
+                arm_seconds, records = run_arm(args, arm, out, 29600 + n)
+                first = first or records
+                if records != first:
+                    sys.exit(f"{condition} {arm}: other records than the first arm's")
+                seconds[condition][arm] = round(arm_seconds, 1)
+                print(f"{condition:>6} {arm:>13}: {arm_seconds:7.1f} s", flush=True)
+        finally:
+            for proc in busy:
+                proc.kill()
+    shutil.rmtree(tmp)
+    print(f"\n{'arm':>13} {'quiet s':>9} {'loaded s':>9} {'loaded / quiet':>15}")
+    for arm in ARMS:
+        quiet, loaded = seconds["quiet"][arm], seconds["loaded"][arm]
+        print(f"{arm:>13} {quiet:9.1f} {loaded:9.1f} {loaded / quiet:14.1f}x")
+    summary = {"bench": "shared_cpu", "args": vars(args), "cpu": cpu_name(), "seconds": seconds}
+    print(json.dumps({**summary, "versions": privact.provenance()["versions"]}))
+
+
+if __name__ == "__main__":
+    main()
