@@ -10,6 +10,7 @@ the README's quick start.
     python3 -m pytest -q -m slow    # the quick start verbatim, several processes, kills, a real server, bf16 on SmolLM2
 """
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -537,9 +538,12 @@ def test_help_documents_every_flag(capsys):
     for command, (cls, _) in privact.COMMANDS.items():
         assert run_cli(command, "--help") == 0
         out = capsys.readouterr().out
-        for f in privact.dataclasses.fields(cls):
+        helps = {}
+        for group in reversed(cls.__mro__):
+            helps.update(privact.field_help().get(group.__name__, {}))
+        for f in dataclasses.fields(cls):
             assert ("--" + f.name.replace("_", "-") if not f.metadata.get("positional") else f.name) in out
-            assert " ".join(f.metadata["help"].split()[:4]) in " ".join(out.split()), (command, f.name)
+            assert len(helps[f.name]) > 20 and " ".join(helps[f.name].split()[:4]) in " ".join(out.split())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -911,16 +915,16 @@ def test_leaf_without_value_is_an_error():
 def test_pairs_from_records_score_every_leaf_by_eq_1():
     """A case with one generator, two refiners judged (no leak, Excellent) and (1 of 2 items leaked, Good): the
     leaves get Eq. 1's 1.0 and -min(sqrt(.5) + (2/3)^2 + b1, 1) = -1, the generator their mean 0; tau 0 pairs them
-    with the case, the sampling tokenizer and the chat date recorded."""
+    with the case and the sampling tokenizer recorded."""
     good = {"leaks": [False, False], "helpfulness": 3, "calls_tool": True}
     leaky = {"leaks": [True, False], "helpfulness": 2, "calls_tool": True}
     x, y = Node("refiner", [], "x", judgment=good), Node("refiner", [], "y", judgment=leaky)
     root = Node("input", [], "", [Node("generator", [], "g", [x, y])])
-    record = {"case": "c1", "tree": root, "sampled_with": {"refiner": "fp"}, "chat_date": "d"}
+    record = {"case": "c1", "tree": root, "sampled_with": {"refiner": "fp"}}
     reward = privact.lcars_of(privact.RewardFlags(b1=0.0))
     (refiner_pair,) = privact.pairs_from_records([record], {"refiner": 0.0}, reward)["refiner"]
     assert (x.value, y.value, root.value) == pytest.approx((1.0, -1.0, 0.0))
-    assert refiner_pair["case"] == "c1" and refiner_pair["sampled_with"] == "fp" and refiner_pair["chat_date"] == "d"
+    assert refiner_pair["case"] == "c1" and refiner_pair["sampled_with"] == "fp"
     reward = privact.lcars_of(privact.RewardFlags(b1=-0.5, lcars_beta=1.0))  # -min(0.7071 + 0.6667 - 0.5, 1) = -0.8738
     privact.pairs_from_records([record], {"refiner": 0.0}, reward)
     assert y.value == pytest.approx(-(math.sqrt(0.5) + 2 / 3 - 0.5))
@@ -1518,8 +1522,7 @@ def test_dpo_trains_on_the_sampled_token_ids_of_each_real_backbone_on_every_case
 
 def test_llama_3_2_prompt_is_the_same_on_any_day(real_backbones, monkeypatch):
     """Llama-3.2's template fills 'Today Date:' from the clock: rendered bare, the same chat differs on 2026-12-01
-    and 2031-03-14. Every chat privact renders carries the recorded --chat-date instead, and DPO renders a pair on
-    the date it was sampled under."""
+    and 2031-03-14. Every chat privact renders, in rollout and in DPO, carries one fixed date instead."""
     import datetime as real_datetime
 
     import transformers.utils.chat_template_utils as chat_templates
@@ -1527,18 +1530,17 @@ def test_llama_3_2_prompt_is_the_same_on_any_day(real_backbones, monkeypatch):
 
     tok = AutoTokenizer.from_pretrained(real_backbones["Llama-3.2-1B-Instruct"])
     chat = privact.build_chat("generator", privact.load_cases("", "train", 1)[0], [])
+    pair = {"role": "verifier", "prompt": chat, "chosen": "a", "rejected": "b"}
     rendered = {}
     for day in (real_datetime.datetime(2026, 12, 1), real_datetime.datetime(2031, 3, 14)):
         clock = type("Clock", (), {"now": staticmethod(lambda day=day: day)})
         monkeypatch.setattr(chat_templates, "datetime", clock)
         bare = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        rendered[day.year] = (bare, privact.chat_text(tok, chat), privact.chat_text(tok, chat, "01 Jan 2025"))
+        ((prompt, _, _),), _ = privact.tokenize_pairs(tok, [pair], 100_000)
+        rendered[day.year] = (bare, privact.chat_text(tok, chat), prompt)
     assert rendered[2026][0] != rendered[2031][0] and "Today Date: 01 Dec 2026" in rendered[2026][0]
     assert rendered[2026][1] == rendered[2031][1] and "Today Date: 26 Jul 2024" in rendered[2026][1]
-    assert "Today Date: 01 Jan 2025" in rendered[2031][2]
-    pair = {"role": "verifier", "prompt": chat, "chosen": "a", "rejected": "b", "chat_date": "01 Jan 2025"}
-    ((prompt, _, _),), _ = privact.tokenize_pairs(tok, [pair], 100_000)
-    assert prompt == tok(rendered[2031][2], add_special_tokens=False)["input_ids"]
+    assert rendered[2026][2] == rendered[2031][2] == tok(rendered[2031][1], add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1613,8 +1615,8 @@ def test_a_served_judge_gets_the_chats_rendered_as_the_release_did(tmp_path, dat
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     url, seen, server = recording_server(lambda body: (200, ANSWER))
     loaded = []
-    real_load = privact.load_weights
-    monkeypatch.setattr(privact, "load_weights", lambda name, *a, **k: loaded.append(name) or real_load(name, *a, **k))
+    real_load = privact.load_model
+    monkeypatch.setattr(privact, "load_model", lambda name, *a, **k: loaded.append(name) or real_load(name, *a, **k))
     try:
         run = tmp_path / "run"
         args = collect_args(data_file, run, tiny_model, "--num-cases", "1", "--judge-url", url)
@@ -1788,7 +1790,7 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     loaded = []
-    monkeypatch.setattr(privact, "load_weights", lambda *a: loaded.append(a) or pytest.fail("weights loaded"))
+    monkeypatch.setattr(privact, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("weights loaded"))
     assert run_cli(*collect_args(data_file, blocked / "run", tiny_model)) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"{blocked / 'run' / 'rollouts'}: cannot write there" in err and not loaded
@@ -1804,6 +1806,19 @@ def test_a_resume_refuses_changed_flags_and_keeps_the_run(tmp_path, data_file, t
     config = json.loads((run / "config.json").read_text())
     assert config["judge_max_new_tokens"] == 6 and config["versions"]["torch"] == torch.__version__
     assert run_cli(*collect_args(data_file, run, tiny_model, "--num-cases", "2", "--batch-size", "3")) == 0  # free
+
+
+def test_dtype_auto_resolves_to_float32_on_a_cpu_and_is_recorded(tmp_path, data_file, tiny_model, monkeypatch):
+    """--dtype auto (the default) generates in float32 without a GPU, in bfloat16 with one, and records what it
+    resolved to: a rerun that names the same dtype resumes the run, another is refused."""
+    run = tmp_path / "run"
+    args = [a for a in collect_args(data_file, run, tiny_model, "--num-cases", "1") if a not in ("--dtype", "float32")]
+    assert run_cli(*args) == 0
+    assert json.loads((run / "config.json").read_text())["dtype"] == "float32"
+    assert run_cli(*args, "--dtype", "float32") == 0
+    assert run_cli(*args, "--dtype", "bfloat16") == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert run_cli(*args) == 2  # auto is bfloat16 where a GPU is: another run
 
 
 def test_collect_in_a_fresh_copy_without_data_flag(tmp_path, tiny_model):
@@ -2409,9 +2424,6 @@ def test_pareto_front_hand_points():
     points = [(0.4, 0.5), (0.9, 0.2), (0.5, 0.6), (0.3, 0.7)]
     front = privact.pareto_front(points)
     assert front == [(0.3, 0.7), (0.5, 0.6), (0.9, 0.2)]
-    # the staircase: from the y axis at 0.7, across and down through each front point, to the x axis at 0.9
-    assert privact.frontier_steps(front) == ([0.0, 0.3, 0.3, 0.5, 0.5, 0.9, 0.9], [0.7, 0.7, 0.6, 0.6, 0.2, 0.2, 0.0])
-    assert privact.frontier_steps([(0.5, 0.5)]) == ([0.0, 0.5, 0.5], [0.5, 0.5, 0.0])  # one point: an L
 
 
 def test_compare_plot_writes_figure_2(tmp_path, capsys, monkeypatch):
@@ -2556,7 +2568,7 @@ def test_collect_end_to_end_then_pairs_again_without_a_model(tmp_path, data_file
     )
 
     records = fake_judgments(run)
-    monkeypatch.setattr(privact, "load_weights", lambda *a, **k: pytest.fail("pairs must not load a model"))
+    monkeypatch.setattr(privact, "load_model", lambda *a, **k: pytest.fail("pairs must not load a model"))
     started = time.time()
     assert run_cli("pairs", run, "--tau", "verifier=0.2,refiner=0.4", "--b2", "0.2") == 0
     assert time.time() - started < 30
@@ -2732,8 +2744,8 @@ def test_judge_again_with_the_runs_own_judge_gives_its_judgments(tmp_path, data_
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--tau", "verifier=0,refiner=0")) == 0
     loads = []
-    real_load = privact.load_weights
-    monkeypatch.setattr(privact, "load_weights", lambda name, *a, **k: loads.append(name) or real_load(name, *a, **k))
+    real_load = privact.load_model
+    monkeypatch.setattr(privact, "load_model", lambda name, *a, **k: loads.append(name) or real_load(name, *a, **k))
     same = tmp_path / "same"
     assert run_cli("judge", run, "--out", same, "--judge-max-new-tokens", "6") == 0 and loads == [tiny_model]
     assert leaf_judgments(same) == leaf_judgments(run)
@@ -2951,6 +2963,17 @@ def test_bench_train_measures_privact_and_trl_on_the_same_pairs(tiny_model):
     assert privact_run["steps"] == trl_run["steps"] == 1 and privact_run["pairs"] == trl_run["pairs"] == 4
     assert result["speedup_pairs_per_s"] == pytest.approx(privact_run["pairs_per_s"] / trl_run["pairs_per_s"], rel=0.02)
     assert result["memory_ratio"] == pytest.approx(privact_run["peak_rss_mb"] / trl_run["peak_rss_mb"], rel=0.02)
+
+
+@pytest.mark.slow
+def test_bench_shared_cpu_times_every_setting_on_the_same_records():
+    """bench_shared_cpu.py --tiny beside one busy process: every thread setting, quiet and loaded, is timed, and
+    every arm wrote the records of the first (the script exits non-zero otherwise)."""
+    result, printed = run_bench("bench_shared_cpu.py", "--tiny", "--burners", "1", "--limit", "100")
+    for condition in ("quiet", "loaded"):
+        assert set(result["seconds"][condition]) == {"default", "passive", "one-thread", "two-processes"}
+        assert all(seconds > 0 for seconds in result["seconds"][condition].values())
+    assert "loaded / quiet" in printed
 
 
 @pytest.mark.slow

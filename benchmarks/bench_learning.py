@@ -47,8 +47,13 @@ PRIVACT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "privac
 LEAK_CHARACTERS = set("0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 # words too common to tell an item apart
-COMMON = set(
-    ["about", "after", "also", "been", "before", "being", "could", "does", "from", "have", "into", "just", "more", "most", "much", "only", "other", "over", "said", "same", "some", "such", "than", "that", "their", "them", "then", "there", "these", "they", "this", "those", "very", "were", "what", "when", "which", "while", "will", "with", "would", "your", "using", "used"]
+COMMON = frozenset(
+    re.findall(
+        r"\w+",
+        "about after also been before being could does from have into just more most much only other over said same "
+        "some such than that their them then there these they this those very were what when which while will with "
+        "would your using used",
+    )
 )
 
 # what the judge prompts end with, after PrivacyLens's few-shot examples (data/privacylens/judge_*.txt)
@@ -193,15 +198,15 @@ PRESETS = {
         "model": "smollm2",
         "train_cases": 12,
         "branching": "1,4,4",
-        "max_new_tokens": 64,
+        "max_new_tokens": 96,
         "temperature": 0.7,
         "tau": "verifier=0,refiner=0",
-        "lr": 1e-5,
-        "epochs": 2,
+        "lr": 2e-5,
+        "epochs": 1,
         "batch_size": 4,
-        "grad_accum": 2,
+        "grad_accum": 1,
         "test_cases": 30,
-        "k": 4,
+        "k": 2,
     },
     "tiny": {
         "model": "",
@@ -258,7 +263,8 @@ def main():
             train = ["train", "--pairs", os.path.join(run, f"pairs_{role}.jsonl"), "--model", args.model]
             train += ["--out", trained[role], "--lr", args.lr, "--epochs", args.epochs, "--warmup-ratio", 0]
             train += ["--batch-size", args.batch_size, "--grad-accum", args.grad_accum, "--seed", args.seed]
-            privact_run(*train, "--save-every", 0)
+            # a 135M model's activations fit: no recomputation in the backward pass
+            privact_run(*train, "--save-every", 0, "--no-gradient-checkpointing")
         evals = {"base": [], "trained": ["--verifier", trained["verifier"], "--refiner", trained["refiner"]]}
         results = {}
         for name, models in evals.items():

@@ -39,7 +39,7 @@ def plain_generate(model, tok, chats, decoding, cfg, per_prompt=False):
     """privact.generate's contract (rendering, sampling, stops, Completions) through plain model.generate:
     one call per batch of length-sorted prompts (or per prompt), each prompt repeated B times by
     num_return_sequences, so every sample prefills its prompt."""
-    texts = [privact.chat_text(tok, chat, cfg.chat_date, not decoding.as_release) + decoding.prefix for chat in chats]
+    texts = [privact.chat_text(tok, chat, not decoding.as_release) + decoding.prefix for chat in chats]
     prompts = tok(texts, add_special_tokens=decoding.as_release)["input_ids"]
     ends = model.generation_config.eos_token_id
     ends = ends if isinstance(ends, list) else [ends]

@@ -1,7 +1,7 @@
 """A CPU that other work shares: how long one small collect takes under each thread setting, on a quiet CPU
 and beside busy processes, side by side in one run.
 
-The same collect (SmolLM2-135M, --num-cases 4 --chunk-cases 1 --branching 1,2,2 --max-new-tokens 32, forced
+The same collect (SmolLM2-135M, --num-cases 2 --chunk-cases 1 --branching 1,2,2 --max-new-tokens 32, forced
 verdicts) runs four ways, each in fresh processes:
 
 - default:        one process, torch's default threads (one per core), OpenMP's default wait policy;
@@ -15,13 +15,15 @@ Then again beside --burners busy processes (`while True: pass`, one per core by 
 the same records as the first: the settings change the time, never the results. Printed: a table of seconds per
 arm and condition, then one JSON line.
 
-    python benchmarks/bench_shared_cpu.py                # about 15 minutes on 2 cores
+    python benchmarks/bench_shared_cpu.py                # about 25 minutes on 2 cores
     python benchmarks/bench_shared_cpu.py --tiny         # a tiny random model, seconds (the tests run it)
 """
 
+import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +47,7 @@ ARMS = {
 
 def collect_command(args, out, processes, port):
     """The collect every arm runs, under torchrun when it runs on several processes."""
-    flags = ["collect", "--model", args.model, "--out", out, "--num-cases", "4", "--chunk-cases", "1"]
+    flags = ["collect", "--model", args.model, "--out", out, "--num-cases", "2", "--chunk-cases", "1"]
     flags += ["--branching", "1,2,2", "--max-new-tokens", str(args.max_new_tokens), "--judge-verdict", "forced"]
     flags += ["--judge-max-new-tokens", str(args.max_new_tokens), "--dtype", "float32"]
     if processes == 1:
@@ -54,17 +56,32 @@ def collect_command(args, out, processes, port):
     return [*launcher, "--master_port", str(port), PRIVACT, *flags]
 
 
-def run_arm(args, arm, out, port):
-    """Seconds of one arm's collect, and its records (the trees, without the clocks)."""
+def run_arm(args, arm, out, port, limit=None):
+    """Seconds of one arm's collect, and its records (the trees, without the clocks); (None, None) when it ran past
+    `limit` seconds and was stopped."""
     variables, processes = ARMS[arm]
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env.update(variables)
     start = time.perf_counter()
-    done = subprocess.run(collect_command(args, out, processes, port), env=env, capture_output=True, text=True)
+    # its own process group, so that a stopped arm's workers (torchrun's) stop with it
+    proc = subprocess.Popen(
+        collect_command(args, out, processes, port),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return None, None
     seconds = time.perf_counter() - start
-    if done.returncode:
-        sys.exit(f"{arm} failed:\n{done.stderr[-3000:]}")
-    records = json.dumps([privact.dataclasses.asdict(r["tree"]) for r in privact.read_records(out)])
+    if proc.returncode:
+        sys.exit(f"{arm} failed:\n{stderr[-3000:]}")
+    records = json.dumps([dataclasses.asdict(r["tree"]) for r in privact.read_records(out)])
     return seconds, records
 
 
@@ -77,6 +94,7 @@ def main():
     ap = common.parser(__doc__, model="smollm2", max_new_tokens=32)
     ap.add_argument("--burners", type=int, default=os.cpu_count(), help="busy processes beside the loaded runs")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model and 4-token outputs: seconds")
+    ap.add_argument("--limit", type=float, default=6.0, help="a loaded arm stops after this many times its quiet time")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp()
     if args.tiny:
@@ -90,7 +108,14 @@ def main():
         try:
             for n, arm in enumerate(ARMS):
                 out = os.path.join(tmp, f"{condition}-{arm}")
-                arm_seconds, records = run_arm(args, arm, out, 29600 + n)
+                limit = None
+                if condition == "loaded":
+                    limit = args.limit * seconds["quiet"][arm]
+                arm_seconds, records = run_arm(args, arm, out, 29600 + n, limit)
+                if arm_seconds is None:
+                    seconds[condition][arm] = None
+                    print(f"{condition:>6} {arm:>13}: stopped after {limit:.1f} s", flush=True)
+                    continue
                 first = first or records
                 if records != first:
                     sys.exit(f"{condition} {arm}: other records than the first arm's")
@@ -103,7 +128,10 @@ def main():
     print(f"\n{'arm':>13} {'quiet s':>9} {'loaded s':>9} {'loaded / quiet':>15}")
     for arm in ARMS:
         quiet, loaded = seconds["quiet"][arm], seconds["loaded"][arm]
-        print(f"{arm:>13} {quiet:9.1f} {loaded:9.1f} {loaded / quiet:14.1f}x")
+        if loaded is None:
+            print(f"{arm:>13} {quiet:9.1f} {'stopped':>9} {'>' + str(args.limit):>14}x")
+        else:
+            print(f"{arm:>13} {quiet:9.1f} {loaded:9.1f} {loaded / quiet:14.1f}x")
     summary = {"bench": "shared_cpu", "args": vars(args), "cpu": cpu_name(), "seconds": seconds}
     print(json.dumps({**summary, "versions": privact.provenance()["versions"]}))
 

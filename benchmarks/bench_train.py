@@ -3,10 +3,12 @@
 Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
 (real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
 accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast,
---mixed-precision bf16). privact scores the reference once, before the first step, with the policy
-itself; TRL, by default, holds a frozen copy of the model beside the policy, as the release's TRL run
-did. Printed: wall time of the whole training command (model load, optimisation), pairs/s over that
-wall time, and peak RSS, plus the ratios.
+--mixed-precision bf16). The default, 4 steps of 2 x 2 pairs, is 2 epochs over the 8 pairs, so both
+sides pay for their reference in a second, reshuffled epoch: privact scores every micro-batch of every
+epoch with the policy itself before the first step (one forward per pair per epoch); TRL, by default,
+holds a frozen copy of the model and scores each micro-batch with it beside the policy, as the
+release's TRL run did. Printed: wall time of the whole training command (model load, optimisation),
+pairs/s over that wall time, and peak RSS, plus the ratios.
 
     python benchmarks/bench_train.py
 
@@ -165,7 +167,7 @@ def main():
     )
     ap.add_argument("--batch-size", type=int, default=2, help="pairs per micro-batch, both trainers")
     ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step, both trainers")
-    ap.add_argument("--steps", type=int, default=2, help="optimizer steps, both trainers")
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps, both trainers (4: 2 epochs of 8 pairs)")
     ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, both trainers")
     ap.add_argument(
         "--gradient-checkpointing",
