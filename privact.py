@@ -54,6 +54,12 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, NamedTuple, get_args
 
+# OpenMP threads that wait for each other sleep instead of spinning: on a CPU that other processes share, a spinning
+# thread holds a core that the thread it waits for needs (benchmarks/bench_shared_cpu.py: a small collect beside two
+# busy processes took 5.3x its quiet time with OpenMP's default, 1.4x with PASSIVE, which cost 10% on a quiet CPU). Set
+# before torch loads OpenMP; a value already in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
@@ -778,7 +784,7 @@ def reference_logps(policy, steps):
     micro-batch this process will train on, in every epoch, in the order it trains on them (steps: optimizer_steps)
     -> one [B, 2] tensor (chosen, rejected) per micro-batch. Each is scored on the same rows, with the same padding,
     precision and forward as the step that trains on it, so a step whose weights have not moved sits at log 2 exactly
-    (in bf16 too, where a pair padded among other pairs moves by up to a tenth of a nat). That is the forward the
+    (in bf16 too, where a pair padded among other pairs moves by up to 0.17 nats on SmolLM2). That is the forward the
     release's frozen copy runs beside the policy at every micro-batch, without holding the copy. Each process scores
     the micro-batches it trains on, so nothing is merged across processes."""
     reference = []

@@ -4,9 +4,10 @@ and beside busy processes, side by side in one run.
 The same collect (SmolLM2-135M, --num-cases 2 --chunk-cases 1 --branching 1,2,2 --max-new-tokens 32, forced
 verdicts) runs four ways, each in fresh processes:
 
-- default:        one process, torch's default threads (one per core), OpenMP's default wait policy;
-- passive:        the same with OMP_WAIT_POLICY=PASSIVE: a thread that waits for the others sleeps instead of
-                  spinning on its core;
+- spinning:       one process, torch's default threads (one per core), OpenMP's default wait policy: a thread
+                  that waits for the others spins on its core for a while first (privact's default until it set
+                  PASSIVE; here torch loads OpenMP before privact.py runs, so privact's setting does not reach it);
+- passive:        the same with OMP_WAIT_POLICY=PASSIVE, privact's default: a waiting thread sleeps at once;
 - one-thread:     one process, OMP_NUM_THREADS=1;
 - two-processes:  ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2, OMP_NUM_THREADS=1 in each: the chunks shared
                   between two 1-thread processes.
@@ -38,18 +39,27 @@ PRIVACT = os.path.join(HERE, "..", "privact.py")
 
 # arm -> (environment variables set, processes)
 ARMS = {
-    "default": ({}, 1),
-    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
+    "spinning": ({}, 1),
+    "passive": ({}, 1),
     "one-thread": ({"OMP_NUM_THREADS": "1"}, 1),
     "two-processes": ({"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}, 2),
 }
 
+# privact.py run after torch has loaded OpenMP: OpenMP's default wait policy, whatever privact.py sets
+TORCH_FIRST = (
+    "import os, runpy, sys, torch; sys.path.insert(0, os.path.dirname(sys.argv[1])); sys.argv = sys.argv[1:]; "
+)
+TORCH_FIRST += "runpy.run_path(sys.argv[0], run_name='__main__')"
 
-def collect_command(args, out, processes, port):
+
+def collect_command(args, arm, out, port):
     """The collect every arm runs, under torchrun when it runs on several processes."""
     flags = ["collect", "--model", args.model, "--out", out, "--num-cases", "2", "--chunk-cases", "1"]
     flags += ["--branching", "1,2,2", "--max-new-tokens", str(args.max_new_tokens), "--judge-verdict", "forced"]
     flags += ["--judge-max-new-tokens", str(args.max_new_tokens), "--dtype", "float32"]
+    processes = ARMS[arm][1]
+    if arm == "spinning":
+        return [sys.executable, "-c", TORCH_FIRST, PRIVACT, *flags]
     if processes == 1:
         return [sys.executable, PRIVACT, *flags]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
@@ -59,13 +69,13 @@ def collect_command(args, out, processes, port):
 def run_arm(args, arm, out, port, limit=None):
     """Seconds of one arm's collect, and its records (the trees, without the clocks); (None, None) when it ran past
     `limit` seconds and was stopped."""
-    variables, processes = ARMS[arm]
+    variables = ARMS[arm][0]
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     env.update(variables)
     start = time.perf_counter()
     # its own process group, so that a stopped arm's workers (torchrun's) stop with it
     proc = subprocess.Popen(
-        collect_command(args, out, processes, port),
+        collect_command(args, arm, out, port),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
