@@ -1123,9 +1123,9 @@ def cmd_train(cfg):
 
 def cmd_eval(cfg):
     """K chains per held-out case, judged (paper 4.2): privacy and helpfulness, over all samples and valid ones."""
+    given = {"generator": cfg.generator, "verifier": cfg.verifier, "refiner": cfg.refiner}
     trained = {}
-    for role in ("generator", "verifier", "refiner"):
-        checkpoint = getattr(cfg, role)
+    for role, checkpoint in given.items():
         if checkpoint:
             trained[role] = checkpoint
     chain = eval_chain(cfg.baseline, cfg.topology, cfg.prompt, cfg.k, trained)
@@ -2078,7 +2078,8 @@ def save_checkpoint(run, policy, tok):
 def eval_label(cfg):
     """An eval's name in compare's table and Figure 2: --label, else the baseline, the trained roles (V, R, V+R) or
     base."""
-    trained = [role[0].upper() for role in ("generator", "verifier", "refiner") if getattr(cfg, role)]
+    given = {"G": cfg.generator, "V": cfg.verifier, "R": cfg.refiner}
+    trained = [initial for initial, checkpoint in given.items() if checkpoint]
     return cfg.label or cfg.baseline or "+".join(trained) or "base"
 
 

@@ -2437,6 +2437,16 @@ def test_compare_plot_writes_figure_2(tmp_path, capsys, monkeypatch):
             assert not legend_box.overlaps(ax.get_window_extent())
 
 
+def test_an_eval_is_named_by_its_label_baseline_or_trained_roles():
+    """compare's column and Figure 2's legend: --label first, else the baseline, else the initials of the trained
+    roles in chain order (V+R), else base."""
+    assert privact.eval_label(privact.EvalConfig(refiner="r", verifier="v")) == "V+R"
+    assert privact.eval_label(privact.EvalConfig(generator="g")) == "G"
+    assert privact.eval_label(privact.EvalConfig()) == "base"
+    assert privact.eval_label(privact.EvalConfig(baseline="aifc")) == "aifc"
+    assert privact.eval_label(privact.EvalConfig(refiner="r", label="mine")) == "mine"
+
+
 def test_plot_without_matplotlib_names_the_pip_command(tmp_path, capsys, monkeypatch):
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.pyplot"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
