@@ -1325,16 +1325,22 @@ def prefix_groups(prompts):
     prompts at one level, the judge's prompts on one case. Lexicographic order puts them side by side. Groups
     come longest first, so an out-of-memory error shows at the start."""
     groups = []
-    for i in sorted(range(len(prompts)), key=lambda i: prompts[i]):
+    in_text_order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    for i in in_text_order:
         if groups:
-            members = [prompts[j] for j in [*groups[-1], i]]
+            candidates = [*groups[-1], i]
+            members = [prompts[j] for j in candidates]
             shared = len(os.path.commonprefix(members))
             longest = max(map(len, members))
             if shared >= max(16, longest // 2):
                 groups[-1].append(i)
                 continue
         groups.append([i])
-    return sorted(groups, key=lambda group: -max(len(prompts[i]) for i in group))
+
+    def longest_member(group):
+        return max(len(prompts[i]) for i in group)
+
+    return sorted(groups, key=longest_member, reverse=True)
 
 
 def prefill(model, prompts, group_of, pad_id, room):
@@ -1349,27 +1355,33 @@ def prefill(model, prompts, group_of, pad_id, room):
     """
     width = max(map(len, prompts))
     starts = [width - len(prompt) for prompt in prompts]
-    rows = [[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)]
-    ids = torch.tensor(rows)
-    mask = (torch.arange(width) >= torch.tensor(starts)[:, None]).long()
-    cache = StaticCache(config=model.config, max_cache_len=width - 1 + room)
+    rows = []
+    for start, prompt in zip(starts, prompts, strict=True):
+        rows.append([pad_id] * start + prompt)
+    ids = torch.tensor(rows).to(model.device)
+    real = torch.arange(width) >= torch.tensor(starts)[:, None]  # [n, W]: not padding
+    mask = real.long().to(model.device)
+    cache_len = width - 1 + room
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
     # full layers for sliding-window ones too (the model's mask still limits them): transformers' sliding
     # static layers roll their window, which cannot be filled by hand
-    cache.layers = [StaticLayer(max_cache_len=width - 1 + room) for _ in cache.layers]
+    cache.layers = [StaticLayer(max_cache_len=cache_len) for _ in cache.layers]
+    # the longest part of a prompt after its group's shared prefix, its last token aside
     rest = 0
     for label in dict.fromkeys(group_of):
         members = [i for i, of in enumerate(group_of) if of == label]
         seqs = [prompts[i] for i in members]
         # the last token of each prompt is left for generate's first step
         shortest = min(map(len, seqs))
-        shared = min(len(os.path.commonprefix(seqs)), shortest - 1)
-        rest = max(rest, max(map(len, seqs)) - 1 - shared)
+        longest = max(map(len, seqs))
+        common = len(os.path.commonprefix(seqs))
+        shared = min(common, shortest - 1)
+        rest = max(rest, longest - 1 - shared)
         if shared > 0:
             write_prefix(model, cache, seqs[0][:shared], members, starts)
     columns = slice(width - 1 - rest, width - 1)
     for layer in cache.layers:
         layer.cumulative_length.fill_(columns.start)
-    ids, mask = ids.to(model.device), mask.to(model.device)
     if rest > 0:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them from the mask
         model(
@@ -1554,7 +1566,8 @@ def judge_served(cfg, tok, chats):
     texts = [chat_text(tok, chat, generation_prompt=False) for chat in chats]
     pool = concurrent.futures.ThreadPoolExecutor(cfg.judge_concurrency)
     try:
-        answers = pool.map(functools.partial(post_completion, cfg), texts)
+        post = functools.partial(post_completion, cfg)
+        answers = pool.map(post, texts)
         return list(tqdm(answers, "judge", len(texts), leave=False))
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -1939,26 +1952,30 @@ def start_training(cfg):
     for name in trackers:
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name}: pip install {name}")
+    state_folder = out + ".state"
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision or None,
         log_with=trackers or None,
-        project_dir=out + ".state",
+        project_dir=state_folder,
     )
     set_seed(cfg.seed)
     tok = load_tokenizer(cfg.model)
     examples, stats = tokenize_pairs(tok, pairs, cfg.max_length)
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
-    make_folder(out + ".state")
-    run = TrainRun(cfg, accelerator, out=out, role=role, train=examples, pad_id=tok.pad_token_id, stats=stats)
+    make_folder(state_folder)
+    pad_id = tok.pad_token_id
+    run = TrainRun(cfg, accelerator, out=out, role=role, train=examples, pad_id=pad_id, stats=stats)
     # accelerate gives each process a whole share of the micro-batches
-    run.batches_per_epoch = math.ceil(len(examples) / cfg.batch_size / accelerator.num_processes)
+    batches = len(examples) / cfg.batch_size
+    run.batches_per_epoch = math.ceil(batches / accelerator.num_processes)
     run.steps_per_epoch = math.ceil(run.batches_per_epoch / cfg.grad_accum)
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
-    run.steps = min(epochs * run.steps_per_epoch, cfg.max_steps or math.inf)
+    all_steps = epochs * run.steps_per_epoch
+    run.steps = min(all_steps, cfg.max_steps or math.inf)
     # the last whole state <out>.state/step-<k> a killed run saved
-    states = glob.glob(os.path.join(out + ".state", "step-*[0-9]"))
+    states = glob.glob(os.path.join(state_folder, "step-*[0-9]"))
     run.progress = {"step": 0, "pairs": 0, "seconds": 0.0, "history": []}
     if states:
         run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]))
@@ -2108,13 +2125,16 @@ def write_eval_report(cfg, records):
 
 def format_table(reports):
     """Metrics as rows, reports as columns: value [95% interval], an eval's also over valid samples (valid_only)."""
-    rows = [("metric", [report["label"] for report in reports])]
-    for samples, name in (("", "{}"), ("_valid_only", "{} (valid)")):
-        for key in reports[0].get("metrics" + samples, {}):
+    labels = [report["label"] for report in reports]
+    rows = [("metric", labels)]
+    for suffix, name in (("", "{}"), ("_valid_only", "{} (valid)")):
+        for key in reports[0].get("metrics" + suffix, {}):
             cells = []
             for report in reports:
-                value = report.get("metrics" + samples, {}).get(key)
-                interval = report.get("ci95" + samples, {}).get(key)
+                metrics = report.get("metrics" + suffix, {})
+                intervals = report.get("ci95" + suffix, {})
+                value = metrics.get(key)
+                interval = intervals.get(key)
                 cell = "-" if value is None else f"{value:.3g}"
                 if interval:
                     cell += f" [{interval[0]:.2f},{interval[1]:.2f}]"
@@ -2210,15 +2230,19 @@ def confaide_chunk(cfg, items, models, keys):
     (records: per item its tasks {tier, index, task, prompt, samples: [{text, errors}]}, no counts)."""
     model, tok = models["model"]
     records = []
+    # (task, its item), every task of the chunk's items
     tasks = []
     for key in keys:
         tier, index, item = items[key]
         record = {"case": key, "tasks": []}
-        for task, prompt in confaide_prompts(tier, item).items():
-            record["tasks"].append({"tier": tier, "index": index, "task": task, "prompt": prompt})
-            tasks.append((record["tasks"][-1], item))
+        for name, prompt in confaide_prompts(tier, item).items():
+            task = {"tier": tier, "index": index, "task": name, "prompt": prompt}
+            record["tasks"].append(task)
+            tasks.append((task, item))
         records.append(record)
-    chats = [[{"role": "user", "content": task["prompt"]}] for task, _ in tasks]
+    chats = []
+    for task, _ in tasks:
+        chats.append([{"role": "user", "content": task["prompt"]}])
     decoding = Decoding(samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     answers = generate(model, tok, chats, decoding, cfg)
     for (task, item), samples in zip(tasks, answers, strict=True):
@@ -2298,7 +2322,8 @@ def cmd_judge(cfg):
         start = time.perf_counter()
         roots = [records[name]["tree"] for name in names]
         name_cases = [cases[name] for name in names]
-        tokens = judge_leaves(roots, name_cases, functools.partial(judge, models, new))
+        judge_of = functools.partial(judge, models, new)
+        tokens = judge_leaves(roots, name_cases, judge_of)
         counts = {"judge_seconds": time.perf_counter() - start, "judge_tokens": tokens}
         return [records[name] for name in names], counts
 
@@ -2586,7 +2611,9 @@ def build_parser():
         for group in reversed(cls.__mro__):
             helps.update(field_help().get(group.__name__, {}))
         for f in fields(cls):
-            shown = "" if f.default in ("", ()) else " (default: %(default)s)"
+            shown = " (default: %(default)s)"
+            if f.default in ("", ()):
+                shown = ""
             kw = {"help": helps[f.name] + shown}
             if get_args(f.type):
                 kw["choices"] = get_args(f.type)
@@ -2597,7 +2624,8 @@ def build_parser():
             if f.metadata.get("positional"):
                 sub.add_argument(f.name, nargs=f.metadata.get("nargs"), **kw)
             else:
-                sub.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default, **kw)
+                flag = "--" + f.name.replace("_", "-")
+                sub.add_argument(flag, dest=f.name, default=f.default, **kw)
     return parser
 
 
