@@ -2000,6 +2000,45 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model):
     assert not (tmp_path / "ckpt.state").exists()
 
 
+FREED_BLOCKS = """
+import sys, torch, privact
+
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+
+if sys.argv[1:]:
+    assert privact.main(sys.argv[1:]) == 0
+# an 8 MB block freed: glibc's own threshold rises to 8 MB
+torch.ones(8 << 20, dtype=torch.uint8)
+# blocks of a layer's input size between small ones that live on, as in a DPO step
+blocks, kept = [], []
+for _ in range(40):
+    blocks.append(torch.ones(6 << 20, dtype=torch.uint8))
+    kept.append(torch.ones(64 << 10, dtype=torch.uint8))
+before = resident_mb()
+blocks.clear()
+print("RELEASED", before - resident_mb())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_train_hands_freed_blocks_back_to_the_os(tmp_path, tiny_model):
+    """After train has started, a freed 6 MB block goes back to the OS, not into glibc's heap (40 of them: 240 MB);
+    a process that did not train keeps them."""
+    pairs_path = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs_path, "refiner", 2)
+    train = [str(arg) for arg in train_args(pairs_path, tmp_path / "ckpt", tiny_model, "--max-steps", "1")]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
+    released = {}
+    for name, args in (("trained", train), ("plain", [])):
+        proc = subprocess.run(
+            [sys.executable, "-c", FREED_BLOCKS, *args], capture_output=True, text=True, env=env, cwd=HERE
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        released[name] = int(proc.stdout.split("RELEASED")[-1])
+    assert released["trained"] >= 200 and released["plain"] <= 40, released
+
+
 def test_a_schedule_with_no_learning_rate_is_said_before_training(tmp_path, tiny_model, capsys):
     """--max-steps 1 with the default --warmup-ratio 0.1: ceil(0.1 x 1) = 1 warmup step, so the only step runs at lr
     0 and no weight moves: train says so before it starts. --warmup-ratio 0 trains."""

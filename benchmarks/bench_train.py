@@ -16,10 +16,12 @@ TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports
 only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
 in memory); pass --trl-precompute to have it precompute reference log-probs instead.
 
-Peak RSS counts what glibc keeps of freed memory for reuse; both run with glibc's defaults. A fixed
-mmap threshold hands large freed blocks back to the OS, for both sides alike:
+Peak RSS counts what glibc keeps of freed memory for reuse. Each side runs as its users run it:
+privact's train hands freed blocks of 4 MB and more back to the OS (privact.return_freed_blocks),
+TRL runs under glibc's defaults. To run both under the same threshold (both children inherit it, and
+privact then leaves it as set):
 
-    MALLOC_MMAP_THRESHOLD_=1048576 python benchmarks/bench_train.py
+    MALLOC_MMAP_THRESHOLD_=4194304 python benchmarks/bench_train.py
 """
 
 import argparse
