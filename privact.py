@@ -1947,7 +1947,7 @@ def return_freed_blocks():
     $MALLOC_MMAP_THRESHOLD_ says otherwise). DPO allocates and frees blocks of a new size at every micro-batch
     width (a layer's input, 2 rows of SmolLM2: 4.4 MB at 960 tokens, 8.4 MB at 1,824); glibc's own threshold rises
     to 32 MB, so they come from its heap, where a block freed at one width is too small for the next wider one.
-    benchmarks/bench_train.py: peak 4.7-5.1 GB under glibc's defaults, 3.2 GB with this, for 13-17% more time."""
+    benchmarks/bench_train.py: peak 4.7-5.1 GB under glibc's defaults, 3.2-3.3 GB with this, for 17-23% more time."""
     if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return
     # torch's Linux wheels run on glibc; -3 is its M_MMAP_THRESHOLD
