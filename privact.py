@@ -36,7 +36,7 @@ import argparse
 import ast
 import collections
 import concurrent.futures
-import ctypes
+import contextlib
 import functools
 import glob
 import hashlib
@@ -55,11 +55,12 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, NamedTuple, get_args
 
-# OpenMP threads that wait for each other sleep instead of spinning: on a CPU that other processes share, a spinning
-# thread holds a core that the thread it waits for needs (benchmarks/bench_shared_cpu.py: a small collect beside two
-# busy processes took 5.3x its quiet time with OpenMP's default, 1.4x with PASSIVE, which cost 10% on a quiet CPU). Set
-# before torch loads OpenMP; a value already in the environment wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":
+    # The command line only (importing privact leaves the importer's process alone): OpenMP threads that wait for each
+    # other sleep instead of spinning. On a CPU that other processes share, a spinning thread holds a core that the
+    # thread it waits for needs (benchmarks/bench_shared_cpu.py). Set before torch loads OpenMP; a value already in
+    # the environment wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 import torch.nn.functional as F
@@ -187,57 +188,6 @@ def load_cases(source, split="train", num_cases=0):
 # ----------------------------------------------------------------------------------------------
 # Prompts: the chat each agent sees (paper 3.2.1, Appendix B; the words live in judge_prompts.py)
 # ----------------------------------------------------------------------------------------------
-
-
-def parse_topology(text):
-    """--topology 'generator,verifier,refiner' -> its roles, each after the roles whose output it reads."""
-    roles = [role.strip() for role in text.split(",") if role.strip()]
-    for position, role in enumerate(roles):
-        if role not in NEEDS:
-            raise UsageError(f"--topology: unknown role {role!r} (known: {', '.join(NEEDS)})")
-        earlier = set(roles[:position])
-        for group in NEEDS[role]:
-            if not earlier & set(group):
-                raise UsageError(f"--topology: {role!r} needs a {' or '.join(group)} before it")
-    if not set(roles) & set(DRAFT_ROLES):
-        raise UsageError(f"--topology: the chain needs a role that writes the action ({', '.join(DRAFT_ROLES)})")
-    return roles
-
-
-def parse_taus(text, roles):
-    """'verifier=0.5,refiner=0.5' -> {role: tau} for roles of the chain, each tau from -1 to 1 (where rewards lie)."""
-    taus = {}
-    for part in text.replace(" ", "").split(","):
-        role, _, value = part.partition("=")
-        try:
-            tau = float(value)
-        except ValueError:
-            tau = math.nan
-        # false for NaN too
-        valid = role in roles and -1 <= tau <= 1
-        if not valid:
-            raise UsageError(
-                f"--tau {text!r}: expected role=number, each number from -1 to 1, e.g. verifier=0.5,refiner=0.5"
-            )
-        taus[role] = tau
-    return taus
-
-
-def parse_ints(text, flag, count=None, allowed=None):
-    """'4,4,4' -> [4, 4, 4]: `count` comma-separated whole numbers (any count when None), each one of `allowed` (by
-    default any from 1 up)."""
-    allowed = allowed or range(1, 1 << 31)
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    wrong = [value for value in values if value not in allowed]
-    if not values or wrong or count not in (None, len(values)):
-        each = "1 or more"
-        if len(allowed) < 10:
-            each = " or ".join(map(str, allowed))
-        raise UsageError(f"{flag} {text!r}: expected {count or 'some'} comma-separated whole numbers, each {each}")
-    return values
 
 
 def case_context(case):
@@ -371,6 +321,21 @@ class Chain(NamedTuple):
     roles: list
     branching: list
     variant: str = "naive"
+
+
+def parse_topology(text):
+    """--topology 'generator,verifier,refiner' -> its roles, each after the roles whose output it reads."""
+    roles = [role.strip() for role in text.split(",") if role.strip()]
+    for position, role in enumerate(roles):
+        if role not in NEEDS:
+            raise UsageError(f"--topology: unknown role {role!r} (known: {', '.join(NEEDS)})")
+        earlier = set(roles[:position])
+        for group in NEEDS[role]:
+            if not earlier & set(group):
+                raise UsageError(f"--topology: {role!r} needs a {' or '.join(group)} before it")
+    if not set(roles) & set(DRAFT_ROLES):
+        raise UsageError(f"--topology: the chain needs a role that writes the action ({', '.join(DRAFT_ROLES)})")
+    return roles
 
 
 def rollout(cases, chain, sample):
@@ -625,6 +590,25 @@ def propagate_values(root):
     return root.value
 
 
+def parse_taus(text, roles):
+    """'verifier=0.5,refiner=0.5' -> {role: tau} for roles of the chain, each tau from -1 to 1 (where rewards lie)."""
+    taus = {}
+    for part in text.replace(" ", "").split(","):
+        role, _, value = part.partition("=")
+        try:
+            tau = float(value)
+        except ValueError:
+            tau = math.nan
+        # false for NaN too
+        valid = role in roles and -1 <= tau <= 1
+        if not valid:
+            raise UsageError(
+                f"--tau {text!r}: expected role=number, each number from -1 to 1, e.g. verifier=0.5,refiner=0.5"
+            )
+        taus[role] = tau
+    return taus
+
+
 def sibling_pairs(root, taus):
     """(role, chosen, rejected) for every node: its children of a role in `taus` split into positives (V >= tau)
     and negatives (V < tau), each positive against each negative (paper 3.2.2; the release's cartesian_product).
@@ -678,58 +662,97 @@ def pairs_from_records(records, taus, reward):
 
 
 # ----------------------------------------------------------------------------------------------
-# DPO (Rafailov et al. 2023): packed rows, log-probabilities, the reference, the loss, the loop that trains
+# DPO (Rafailov et al. 2023) on the sampled tree: sibling groups as packed rows, log-probabilities, the loss, the
+# schedule, the reference, the loop that trains
 # ----------------------------------------------------------------------------------------------
 
 
-def collate_pairs(examples, pad_id):
-    """B pairs (prompt, chosen, rejected token ids) -> one right-padded batch of packed rows [prompt | chosen |
-    rejected]: the prompt, most of a PrivacyLens sequence, goes through the model once for both responses. The
-    rejected tokens' positions restart after the prompt and the mask hides the chosen tokens from them, so each
-    response is scored as if it followed the prompt alone (response_logps). {side}_at holds the positions whose hidden
-    states score a side, the prompt's last token and then the side's tokens; {side}_labels the tokens there, -100 at
-    the prompt's last token, which only predicts the side's first token. With prompt [p0 p1], chosen [c0] and
-    rejected [r0 r1]:
+class Group(NamedTuple):
+    """The pairs of one prompt: the siblings of one node (paper 3.2.2). The prompt's token ids, each distinct response's
+    token ids once, and the pairs as (chosen, rejected) indices into the responses."""
 
-        input_ids       p0  p1  c0  r0  r1          chosen_at    1  2       chosen_labels    -100  c0
-        position_ids     0   1   2   2   3          rejected_at  1  3  4    rejected_labels  -100  r0  r1
+    prompt: list
+    responses: list
+    pairs: list
 
-        attention_mask      p0  p1  c0  r0  r1      (1: the row's token attends to the column's)
-                        p0   1   0   0   0   0
-                        p1   1   1   0   0   0
-                        c0   1   1   1   0   0
-                        r0   1   1   0   1   0
-                        r1   1   1   0   1   1
 
-    -> input_ids, position_ids [B, T]; attention_mask bool [B, 1, T, T]; {side}_at, {side}_labels [B, R + 1]. Padding
-    holds pad_id, position 0 and label -100; a padded position attends causally and is never read."""
-    rows = []
+def group_pairs(examples):
+    """(prompt, chosen, rejected) token ids -> one Group per distinct prompt, in order of first appearance: the pairs
+    whose prompts are the same ids, whatever file they come from. A response in several pairs is held once, so the
+    model scores it once however many pairs it takes part in."""
+    groups = {}
     for prompt, chosen, rejected in examples:
-        start = len(prompt)
-        end = start + len(chosen)
-        row = {
-            "input_ids": prompt + chosen + rejected,
-            "position_ids": [*range(end), *range(start, start + len(rejected))],
-            "chosen_at": [*range(start - 1, end)],
-            "rejected_at": [start - 1, *range(end, end + len(rejected))],
-            "chosen_labels": [-100, *chosen],
-            "rejected_labels": [-100, *rejected],
-        }
+        group = groups.setdefault(tuple(prompt), Group(prompt, [], []))
+        indices = []
+        for response in (chosen, rejected):
+            if response not in group.responses:
+                group.responses.append(response)
+            indices.append(group.responses.index(response))
+        group.pairs.append(tuple(indices))
+    return list(groups.values())
+
+
+def collate_groups(groups, pad_id):
+    """G Groups -> one right-padded batch, a row per group, [prompt | r1 | r2 | ... | rn]: the prompt, most of a
+    PrivacyLens sequence, goes through the model once for all its siblings. Each response's positions restart after
+    the prompt and the mask hides the other responses from it, so each is scored as if it followed the prompt alone
+    (response_logps). With prompt [p0 p1], responses a = [a0], b = [b0 b1], c = [c0] and pairs (a, b), (c, b):
+
+        input_ids       p0  p1  a0  b0  b1  c0          response_at   1  2        labels   -100  a0
+        position_ids     0   1   2   2   3   2                        1  3  4              -100  b0  b1
+                                                                      1  5                 -100  c0
+        attention_mask      p0  p1  a0  b0  b1  c0
+                        p0   1   0   0   0   0   0      chosen     0  2
+                        p1   1   1   0   0   0   0      rejected   1  1
+                        a0   1   1   1   0   0   0
+                        b0   1   1   0   1   0   0      (1: the row's token attends to the column's)
+                        b1   1   1   0   1   1   0
+                        c0   1   1   0   0   0   1
+
+    response_at holds, per response, the positions whose hidden states score it, the prompt's last token and then its
+    own tokens, as indices into the batch's G x T positions (row g's position t is g T + t); labels the tokens there,
+    -100 at the prompt's last token, which only predicts the response's first. chosen and rejected index the batch's
+    responses, one entry per pair. -> input_ids, position_ids [G, T]; attention_mask bool [G, 1, T, T]; response_at,
+    labels [N, R + 1] (N responses, R the longest); chosen, rejected [pairs]. Padding holds pad_id and position 0, and
+    a padded position attends causally and is never read."""
+    rows = []
+    # (row, its first token, one past its last) of every response
+    spans = []
+    chosen = []
+    rejected = []
+    for group in groups:
+        start = len(group.prompt)
+        row = {"input_ids": list(group.prompt), "position_ids": list(range(start))}
+        for first, second in group.pairs:
+            chosen.append(len(spans) + first)
+            rejected.append(len(spans) + second)
+        for response in group.responses:
+            first = len(row["input_ids"])
+            row["input_ids"] += response
+            row["position_ids"] += range(start, start + len(response))
+            spans.append((len(rows), first, first + len(response)))
         rows.append(row)
-    fills = {"input_ids": pad_id, "chosen_labels": -100, "rejected_labels": -100}
-    batch = {}
-    for key in rows[0]:
-        column = [row[key] for row in rows]
-        batch[key] = padded(column, fills.get(key, 0))
-    width = batch["input_ids"].shape[1]
+    input_ids = padded([row["input_ids"] for row in rows], pad_id)
+    width = input_ids.shape[1]
     mask = torch.ones(len(rows), 1, width, width, dtype=torch.bool).tril()
-    for i, (prompt, chosen, _) in enumerate(examples):
-        start = len(prompt)
-        end = start + len(chosen)
-        # the rejected tokens (and the padding after them) do not see the chosen ones
-        mask[i, 0, end:, start:end] = False
-    batch["attention_mask"] = mask
-    return batch
+    scored_at = []
+    labels = []
+    for row, first, end in spans:
+        start = len(groups[row].prompt)
+        # a response does not see the responses before it in its row
+        mask[row, 0, first:end, start:first] = False
+        at = [start - 1, *range(first, end)]
+        scored_at.append([row * width + position for position in at])
+        labels.append([-100, *input_ids[row, first:end].tolist()])
+    return {
+        "input_ids": input_ids,
+        "position_ids": padded([row["position_ids"] for row in rows], 0),
+        "attention_mask": mask,
+        "response_at": padded(scored_at, 0),
+        "labels": padded(labels, -100),
+        "chosen": torch.tensor(chosen),
+        "rejected": torch.tensor(rejected),
+    }
 
 
 def padded(rows, value):
@@ -757,44 +780,22 @@ def sequence_logps(logits, labels):
 
 
 def response_logps(model, batch):
-    """Summed log-probs of a batch's responses -> (chosen [B], rejected [B]), through sequence_logps, from the packed
-    rows of collate_pairs. Only the hidden states that score a response go through the LM head ({side}_at), so no
-    [B, T, V] logits exist."""
+    """The summed log-prob of every response of a batch of packed rows (collate_groups) -> [N], through
+    sequence_logps. Only the hidden states that score a response go through the LM head (response_at), so no
+    [G, T, V] logits exist."""
     hidden = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
         attention_mask=batch["attention_mask"],
         output_hidden_states=True,
         logits_to_keep=1,
-    ).hidden_states[-1]  # [B, T, H], after the final norm
+    ).hidden_states[-1]  # [G, T, H], after the final norm
     # DeepSpeed and DDP wrap the model
     lm_head = getattr(model, "module", model).get_output_embeddings()
-    sums = []
-    for side in ("chosen", "rejected"):
-        at = batch[f"{side}_at"].unsqueeze(-1)
-        at = at.expand(-1, -1, hidden.shape[-1])  # [B, R + 1, H]
-        scored = hidden.gather(1, at).to(lm_head.weight.dtype)
-        logits = lm_head(scored)  # [B, R + 1, V]
-        labels = batch[f"{side}_labels"]
-        sums.append(sequence_logps(logits, labels))
-    return sums
-
-
-def reference_logps(policy, steps):
-    """DPO's reference pi_ref, the model before training, scored before the first step: its summed log-probs of every
-    micro-batch this process will train on, in every epoch, in the order it trains on them (steps: optimizer_steps)
-    -> one [B, 2] tensor (chosen, rejected) per micro-batch. Each is scored on the same rows, with the same padding,
-    precision and forward as the step that trains on it, so a step whose weights have not moved sits at log 2 exactly
-    (in bf16 too, where a pair padded among other pairs moves by up to 0.17 nats on SmolLM2). That is the forward the
-    release's frozen copy runs beside the policy at every micro-batch, without holding the copy. Each process scores
-    the micro-batches it trains on, so nothing is merged across processes."""
-    reference = []
-    with torch.no_grad():
-        for _, _, micro_batches, _ in steps:
-            for batch in micro_batches:
-                chosen, rejected = response_logps(policy, batch)
-                reference.append(torch.stack([chosen, rejected], dim=-1))
-    return reference
+    positions = hidden.flatten(0, 1)  # [G T, H]
+    scored = positions[batch["response_at"]].to(lm_head.weight.dtype)  # [N, R + 1, H]
+    logits = lm_head(scored)  # [N, R + 1, V]
+    return sequence_logps(logits, batch["labels"])
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
@@ -809,10 +810,14 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
 
 
 def dpo_step(policy, batch, reference, beta):
-    """One micro-batch -> (mean loss, metrics); reference: its [B, 2] reference log-probs (reference_logps)."""
-    ref_chosen, ref_rejected = reference.unbind(-1)
-    policy_chosen, policy_rejected = response_logps(policy, batch)
-    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
+    """One micro-batch -> (its pairs' losses summed, each metric summed over its pairs, and "pairs"); reference: its
+    responses' [N] reference log-probs (reference_logps)."""
+    logps = response_logps(policy, batch)
+    chosen = batch["chosen"]
+    rejected = batch["rejected"]
+    losses, chosen_rewards, rejected_rewards = dpo_loss(
+        logps[chosen], logps[rejected], reference[chosen], reference[rejected], beta
+    )
     values = {
         "loss": losses,
         "reward_acc": (chosen_rewards > rejected_rewards).float(),
@@ -820,11 +825,12 @@ def dpo_step(policy, batch, reference, beta):
         "chosen_reward": chosen_rewards,
         "rejected_reward": rejected_rewards,
         # the policy's log-probs: what DPO moves
-        "logp_chosen": policy_chosen,
-        "logp_rejected": policy_rejected,
+        "logp_chosen": logps[chosen],
+        "logp_rejected": logps[rejected],
     }
-    metrics = {name: value.mean().item() for name, value in values.items()}
-    return losses.mean(), metrics
+    sums = {name: value.sum().item() for name, value in values.items()}
+    sums["pairs"] = len(chosen)
+    return losses.sum(), sums
 
 
 def cosine_lr(step, steps, cfg):
@@ -840,84 +846,122 @@ def cosine_lr(step, steps, cfg):
     return cfg.lr * decay
 
 
-def micro_batches(run, epoch):
-    """This process's share of an epoch's micro-batches (collate_pairs), the pairs reshuffled from (seed, epoch) alone:
-    every epoch's are new, and a resumed run sees the same ones."""
-    generator = torch.Generator().manual_seed(run.cfg.seed * 1000 + epoch)
+@dataclass
+class MicroBatch:
+    """Groups trained in one forward and backward: their indices, the weight of their loss in the step (0 for a
+    copy that only keeps processes in step) and their responses' reference log-probs [N] (reference_logps)."""
 
-    def collate(indices):
-        examples = [run.train[index] for index in indices]
-        return collate_pairs(examples, run.pad_id)
-
-    pair_indices = range(len(run.train))
-    batch_size = run.cfg.batch_size
-    loader = torch.utils.data.DataLoader(
-        pair_indices, batch_size, shuffle=True, generator=generator, collate_fn=collate
-    )
-    # accelerate gives each process its share, every process as many micro-batches as the others
-    return run.accelerator.prepare_data_loader(loader)
+    groups: list
+    weight: float = 1.0
+    reference: torch.Tensor = None
 
 
-def optimizer_steps(run, desc):
-    """Every optimizer step a run has left, from where it stands, under a progress bar named `desc`: (its number,
-    its epoch, an iterator over its micro-batches, how many: --grad-accum, fewer at an epoch's end). A step's
-    micro-batches come from micro_batches and must be used up before the next step is asked for."""
-    grad_accum = run.cfg.grad_accum
-    done = run.progress["step"]
-    hidden = not run.accelerator.is_main_process
-    batches = None
-    steps = range(done, run.steps)
-    bar = tqdm(steps, desc, initial=done, total=run.steps, unit="step", disable=hidden)
-    for step in bar:
-        epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
-        first = step_in_epoch * grad_accum
-        if batches is None or step_in_epoch == 0:
-            # the epoch's micro-batches, after those of the steps a killed run took
-            loader = micro_batches(run, epoch)
-            loader = run.accelerator.skip_first_batches(loader, first)
-            batches = iter(loader)
-        size = min(grad_accum, run.batches_per_epoch - first)
-        step_batches = itertools.islice(batches, size)
-        yield step, epoch, step_batches, size
+class Step(NamedTuple):
+    """One optimizer step: its epoch, how many of the epoch's groups are done after it, the pairs it trains on all
+    processes, and this process's micro-batches."""
+
+    epoch: int
+    groups_done: int
+    pairs: int
+    micro_batches: list
 
 
-def train_dpo(run, policy, optimizer, reference):
-    """The loop that trains, in nanoGPT's shape: for each optimizer step, the gradients of its micro-batches
-    accumulate, then the step is clipped, taken, logged and, every --save-every steps, saved. optimizer_steps
-    reshuffles the pairs into new micro-batches every epoch, from the seed and the epoch, as the release's Trainer
-    does, and starts where a killed run stopped. `reference`: reference_logps's tensors, one per micro-batch, in the
-    order the micro-batches come here."""
+def pack_groups(order, pair_counts, batch_size):
+    """The groups of `order`, in that order, packed into micro-batches of at most `batch_size` pairs; a group of more
+    pairs is a micro-batch alone. -> [[group index, ...], ...]"""
+    micro_batches = []
+    pairs = 0
+    for group in order:
+        count = pair_counts[group]
+        if not micro_batches or pairs + count > batch_size:
+            micro_batches.append([])
+            pairs = 0
+        micro_batches[-1].append(group)
+        pairs += count
+    return micro_batches
+
+
+def plan_steps(pair_counts, epochs, progress, cfg, process=0, processes=1):
+    """Every optimizer step a run has left, from `progress` ({"step", "epoch", "groups"}: steps taken, and the epoch's
+    groups done). Each epoch orders the groups from (seed, epoch) alone, packs them into micro-batches of --batch-size
+    pairs (pack_groups) and makes a step of every --grad-accum x `processes` micro-batches (its last step of fewer),
+    so a group's pairs stay in one step; at most --max-steps in all. A process takes every `processes`-th micro-batch
+    of a step; one left short runs the step's first at weight 0, so that every process joins every all-reduce. A
+    resumed run plans from the groups done, so under another --batch-size it still trains each pair once an epoch."""
+    per_step = cfg.grad_accum * processes
+    steps = []
+    for epoch in range(progress["epoch"], epochs):
+        generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
+        order = torch.randperm(len(pair_counts), generator=generator).tolist()
+        done = progress["groups"] if epoch == progress["epoch"] else 0
+        micro_batches = pack_groups(order[done:], pair_counts, cfg.batch_size)
+        for first in range(0, len(micro_batches), per_step):
+            batches = micro_batches[first : first + per_step]
+            groups = [group for batch in batches for group in batch]
+            done += len(groups)
+            pairs = sum(pair_counts[group] for group in groups)
+            mine = [MicroBatch(batch) for batch in batches[process::processes]]
+            rounds = math.ceil(len(batches) / processes)
+            if len(mine) < rounds:
+                mine.append(MicroBatch(batches[0], weight=0.0))
+            steps.append(Step(epoch, done, pairs, mine))
+    if cfg.max_steps:
+        return steps[: max(0, cfg.max_steps - progress["step"])]
+    return steps
+
+
+def reference_logps(policy, groups, steps, pad_id):
+    """DPO's reference pi_ref, the model before training, scored before the first step: each micro-batch of `steps`
+    (this process's, every epoch's, plan_steps) gets its responses' summed log-probs as its `reference`. Each is
+    scored on the same row, with the same padding, precision and forward as the step that trains on it, so a step
+    whose weights have not moved sits at log 2 exactly (in bf16 too, where a response scored in another micro-batch,
+    padded to another width, moves by up to 0.17 nats on SmolLM2). That is the forward the release's frozen copy runs
+    beside the policy at every micro-batch, without holding the copy; nothing is merged across processes."""
+    with torch.no_grad():
+        for step in tqdm(steps, "reference log-probs", unit="step", disable=not PartialState().is_main_process):
+            for micro in step.micro_batches:
+                batch = collate_groups([groups[index] for index in micro.groups], pad_id)
+                micro.reference = response_logps(policy, batch)
+
+
+def train_dpo(run, policy, optimizer, steps):
+    """The loop that trains, in nanoGPT's shape: for each optimizer step (plan_steps), the gradients of its
+    micro-batches accumulate, then the step is clipped, taken, logged and, every --save-every steps, saved. Each
+    micro-batch comes with its reference log-probs (reference_logps)."""
     cfg, accelerator = run.cfg, run.accelerator
-    rates = [cosine_lr(step, run.steps, cfg) for step in range(run.steps)]
+    done = run.progress["step"]
+    total = done + len(steps)
+    rates = [cosine_lr(step, total, cfg) for step in range(total)]
     if not any(rates):
-        accelerator.print(f"warning: no step of {run.steps} gets a learning rate above 0: use --warmup-ratio 0")
-    references = iter(reference)
-    for step, epoch, micro_batches, size in optimizer_steps(run, "DPO"):
-        lr = cosine_lr(step, run.steps, cfg)
+        accelerator.print(f"warning: no step of {total} gets a learning rate above 0: use --warmup-ratio 0")
+    bar = tqdm(steps, "DPO", initial=done, total=total, unit="step", disable=not accelerator.is_main_process)
+    for number, step in enumerate(bar, done):
+        lr = cosine_lr(number, total, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # accelerate divides each loss by --grad-accum; a step of fewer micro-batches (an epoch's last) scales them
-        # back, so every step's gradient is the mean over its micro-batches, as transformers' Trainer makes it
-        weight = cfg.grad_accum / size
-        window = []
-        pairs = 0
-        for batch in micro_batches:
-            # no DDP all-reduce before the step's last micro-batch; under DeepSpeed that backward clips and steps
-            with accelerator.accumulate(policy):
-                loss, metrics = dpo_step(policy, batch, next(references), cfg.beta)
-                accelerator.backward(loss * weight)
-            window.append(metrics)
-            pairs += len(batch["input_ids"]) * accelerator.num_processes
-        assert accelerator.sync_gradients, f"step {step}: its last micro-batch did not synchronize the gradients"
+        # accelerate divides each loss by --grad-accum and DDP averages the processes' gradients: undone here, so the
+        # step's gradient is the mean over its pairs on every process, as transformers' Trainer makes it
+        scale = cfg.grad_accum * accelerator.num_processes / step.pairs
+        sums = collections.Counter()
+        for index, micro in enumerate(step.micro_batches):
+            last = index == len(step.micro_batches) - 1
+            # the last micro-batch's backward all-reduces the gradients (DDP), and under DeepSpeed clips and steps
+            accelerator.sync_gradients = last
+            accumulating = contextlib.nullcontext() if last else accelerator.no_sync(policy)
+            with accumulating:
+                batch = collate_groups([run.groups[index] for index in micro.groups], run.pad_id)
+                loss, metrics = dpo_step(policy, batch, micro.reference, cfg.beta)
+                accelerator.backward(loss * scale * micro.weight)
+            if micro.weight:
+                sums.update(metrics)
         grad_norm = None
         if cfg.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
-        log_step(run, epoch, lr, grad_norm, window, pairs)
+        log_step(run, step, lr, grad_norm, sums)
         steps_done = run.progress["step"]
-        last = steps_done == run.steps
-        if cfg.save_every and steps_done % cfg.save_every == 0 and not last:
+        if cfg.save_every and steps_done % cfg.save_every == 0 and steps_done < total:
             save_state(run)
 
 
@@ -1111,14 +1155,19 @@ def cmd_pairs(cfg):
 def cmd_train(cfg):
     """DPO-train one role's model on its pairs (paper 3.2.2), against the log-probs of the model it starts from."""
     run = start_training(cfg)
+    accelerator = run.accelerator
     # float32 master weights; bf16 comes from autocast or DeepSpeed
-    policy, tok = load_model(cfg.model, torch.float32, run.accelerator.device)
+    policy, tok = load_model(cfg.model, torch.float32, accelerator.device)
     policy, optimizer = prepare_training(run, policy)
+    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(run.role, 4)
+    pair_counts = [len(group.pairs) for group in run.groups]
+    process = accelerator.process_index
+    steps = plan_steps(pair_counts, epochs, run.progress, cfg, process, accelerator.num_processes)
     # pi_ref: before the first step (and before a killed run's state loads), the starting model scores every
     # micro-batch the run has left
-    reference = reference_logps(policy, optimizer_steps(run, "reference log-probs"))
-    resume(run)
-    train_dpo(run, policy, optimizer, reference)
+    reference_logps(policy, run.groups, steps, run.pad_id)
+    resume(run, steps)
+    train_dpo(run, policy, optimizer, steps)
     save_checkpoint(run, policy, tok)
 
 
@@ -1664,7 +1713,7 @@ def node_from_dict(saved):
 
 
 # flags a rerun may change: they shape nothing already written
-FREE_FLAGS = ("out", "num_cases", "batch_size", "judge_concurrency", "judge_url", "label", "versions")
+FREE_FLAGS = ("out", "num_cases", "batch_size", "grad_accum", "judge_concurrency", "judge_url", "label", "versions")
 FREE_FLAGS += ("tau", "b1", "b2", "lcars_alpha", "lcars_beta", "save_every", "report_to")
 
 
@@ -1921,20 +1970,17 @@ def text_response(tok, text, prompt, pair, side):
 
 @dataclass
 class TrainRun:
-    """One train command: its flags, accelerator and checkpoint folder, its role, its pairs as token ids, the
-    schedule, and where it stands (progress: steps done, pairs seen, seconds, history)."""
+    """One train command: its flags, accelerator and checkpoint folder, its role, its pairs as token ids in sibling
+    groups (group_pairs), and where it stands (progress: steps done, the epoch and its groups done, pairs seen,
+    seconds, history)."""
 
     cfg: "TrainConfig"
     accelerator: Accelerator
     out: str
     role: str
-    train: list
+    groups: list
     pad_id: int
     stats: dict
-    steps: int = 0
-    # this process's micro-batches in an epoch, and the optimizer steps they make
-    batches_per_epoch: int = 0
-    steps_per_epoch: int = 0
     progress: dict = None
     # the state a rerun resumes from, the flags it must share, the clock
     resume: str = None
@@ -1942,23 +1988,9 @@ class TrainRun:
     started: float = 0.0
 
 
-def return_freed_blocks():
-    """On Linux, glibc hands each freed block of 4 MB or more back to the OS instead of keeping it for reuse (unless
-    $MALLOC_MMAP_THRESHOLD_ says otherwise). DPO allocates and frees blocks of a new size at every micro-batch
-    width (a layer's input, 2 rows of SmolLM2: 4.4 MB at 960 tokens, 8.4 MB at 1,824); glibc's own threshold rises
-    to 32 MB, so they come from its heap, where a block freed at one width is too small for the next wider one.
-    benchmarks/bench_train.py: peak 4.7-5.1 GB under glibc's defaults, 3.2-3.3 GB with this, for 17-23% more time."""
-    if sys.platform != "linux" or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return
-    # torch's Linux wheels run on glibc; -3 is its M_MMAP_THRESHOLD
-    libc = ctypes.CDLL(None)
-    libc.mallopt(-3, 4 << 20)
-
-
 def start_training(cfg):
     """The pairs checked and packed, the accelerator (accelerate launch's --mixed_precision wins over the flag),
-    the schedule's length, and where an earlier run of this command stopped (<out>.state/step-<k>)."""
-    return_freed_blocks()
+    and where an earlier run of this command stopped (<out>.state/step-<k>)."""
     role, pairs = load_pairs(cfg.pairs)
     out = cfg.out or os.path.join(os.path.dirname(cfg.pairs), role)
     if os.path.exists(out):
@@ -1980,18 +2012,12 @@ def start_training(cfg):
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     make_folder(state_folder)
-    pad_id = tok.pad_token_id
-    run = TrainRun(cfg, accelerator, out=out, role=role, train=examples, pad_id=pad_id, stats=stats)
-    # accelerate gives each process a whole share of the micro-batches
-    batches = len(examples) / cfg.batch_size
-    run.batches_per_epoch = math.ceil(batches / accelerator.num_processes)
-    run.steps_per_epoch = math.ceil(run.batches_per_epoch / cfg.grad_accum)
-    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
-    all_steps = epochs * run.steps_per_epoch
-    run.steps = min(all_steps, cfg.max_steps or math.inf)
+    groups = group_pairs(examples)
+    stats["train/groups"] = len(groups)
+    run = TrainRun(cfg, accelerator, out=out, role=role, groups=groups, pad_id=tok.pad_token_id, stats=stats)
     # the last whole state <out>.state/step-<k> a killed run saved
     states = glob.glob(os.path.join(state_folder, "step-*[0-9]"))
-    run.progress = {"step": 0, "pairs": 0, "seconds": 0.0, "history": []}
+    run.progress = {"step": 0, "epoch": 0, "groups": 0, "pairs": 0, "seconds": 0.0, "history": []}
     if states:
         run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]))
         run.progress = read_json(os.path.join(run.resume, "progress.json"))
@@ -2007,7 +2033,7 @@ def prepare_training(run, policy):
         policy.train()  # transformers checkpoints only in train mode (the paper's backbones have no dropout)
     plugin = accelerator.state.deepspeed_plugin
     if plugin:
-        # our loaders yield whole micro-batches; DeepSpeed clips with its gradient_clipping: --max-grad-norm
+        # DeepSpeed's own bookkeeping of the batch; it clips with its gradient_clipping: --max-grad-norm
         plugin.deepspeed_config.update(
             train_micro_batch_size_per_gpu=cfg.batch_size, gradient_clipping=cfg.max_grad_norm
         )
@@ -2024,11 +2050,15 @@ def prepare_training(run, policy):
     return policy, optimizer
 
 
-def resume(run):
-    """A killed run's last state (accelerate's load_state: weights, optimizer, RNG), if there is one."""
+def resume(run, steps):
+    """A killed run's last state (accelerate's load_state: weights, optimizer, RNG), if there is one; `steps`: the
+    steps it has left (plan_steps)."""
     if run.resume:
         run.accelerator.load_state(run.resume)
-        run.accelerator.print(f"resuming from step {run.progress['step']} of {run.steps}")
+        progress = run.progress
+        total = progress["step"] + len(steps)
+        where = f"epoch {progress['epoch']}, {progress['groups']} of its {len(run.groups)} groups done"
+        run.accelerator.print(f"resuming from step {progress['step']} of {total} ({where})")
 
 
 def make_optimizer(policy, plugin):
@@ -2042,17 +2072,19 @@ def make_optimizer(policy, plugin):
     return torch.optim.AdamW(policy.parameters(), weight_decay=0.0, fused=True)
 
 
-def log_step(run, epoch, lr, grad_norm, window, pairs):
-    """One optimizer step of `pairs` pairs done: run.progress moves (the one place it does), and the step's row (each
-    micro-batch metric averaged over its micro-batches) goes into the history, the trackers and stdout."""
+def log_step(run, step, lr, grad_norm, sums):
+    """A Step (plan_steps) done: run.progress moves (the one place it does), and the step's row (each metric averaged
+    over this process's pairs in it; sums: dpo_step's, added) goes into the history, the trackers and stdout."""
     progress = run.progress
     progress["step"] += 1
-    progress["pairs"] += pairs
+    progress["epoch"] = step.epoch
+    progress["groups"] = step.groups_done
+    progress["pairs"] += step.pairs
     progress["seconds"] = time.time() - run.started
-    row = {"step": progress["step"], "epoch": epoch, "train/lr": lr}
-    for key in window[0]:
-        values = [metrics[key] for metrics in window]
-        row[f"train/{key}"] = sum(values) / len(values)
+    row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
+    for key, total in sums.items():
+        if key != "pairs":
+            row[f"train/{key}"] = total / sums["pairs"]
     if grad_norm is not None:
         row["train/grad_norm"] = float(grad_norm)
     row["train/pairs_per_s"] = progress["pairs"] / progress["seconds"]
@@ -2087,7 +2119,8 @@ def save_checkpoint(run, policy, tok):
     for tracker in accelerator.trackers:
         tracker.finish()
     state = accelerator.get_state_dict(policy)
-    metrics = {"role": run.role, "train/pairs": len(run.train), **run.stats, **run.progress, "flags": run.flags}
+    pairs = sum(len(group.pairs) for group in run.groups)
+    metrics = {"role": run.role, "train/pairs": pairs, **run.stats, **run.progress, "flags": run.flags}
     partial = run.out + ".partial"
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(partial, state_dict=state)
@@ -2471,9 +2504,11 @@ class TrainConfig:
     lr: float = opt(5e-7, above=0)
     """the peak learning rate of AdamW (the released config's 5e-7; the paper's text says 5e-5)"""
     batch_size: int = opt(8, low=1)
-    """pairs per process in a micro-batch; lower it (and raise --grad-accum) after an out-of-memory error"""
+    """pairs per process in a micro-batch, in whole sibling groups (a group of more pairs is a micro-batch alone);
+    after an out-of-memory error, rerun with a smaller one (and a larger --grad-accum): it resumes each pair left"""
     grad_accum: int = opt(4, low=1)
-    """micro-batches per optimizer step (8 x 4 = the paper's 32); an epoch's last step may take fewer"""
+    """micro-batches per process in an optimizer step (8 x 4: about the paper's 32 pairs); an epoch's last step may
+    take fewer"""
     epochs: int = opt(0, low=0)
     """epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)"""
     max_steps: int = opt(0, low=0)
@@ -2563,6 +2598,23 @@ class JudgeConfig(JudgeFlags):
 # ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
+
+
+def parse_ints(text, flag, count=None, allowed=None):
+    """'4,4,4' -> [4, 4, 4]: `count` comma-separated whole numbers (any count when None), each one of `allowed` (by
+    default any from 1 up)."""
+    allowed = allowed or range(1, 1 << 31)
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    wrong = [value for value in values if value not in allowed]
+    if not values or wrong or count not in (None, len(values)):
+        each = "1 or more"
+        if len(allowed) < 10:
+            each = " or ".join(map(str, allowed))
+        raise UsageError(f"{flag} {text!r}: expected {count or 'some'} comma-separated whole numbers, each {each}")
+    return values
 
 
 def check_bounds(cfg):

@@ -951,36 +951,149 @@ def test_sequence_logps_matches_a_loop():
     assert privact.sequence_logps(logits, labels).tolist() == pytest.approx(want, abs=1e-5)
 
 
+def test_group_pairs_by_prompt_ids_each_response_once():
+    """Pairs whose prompts are the same ids form one group, whatever their order or case; a response in several pairs
+    is held once and its pairs index it; a prompt no other pair shares is a group of two responses."""
+    p, q = [5, 6, 7], [5, 6]
+    a, b, c, d = [1], [2, 2], [3], [4]
+    groups = privact.group_pairs([(p, a, b), (q, c, d), (p, c, b), (p, a, c), (p, a, a)])
+    assert groups == [privact.Group(p, [a, b, c], [(0, 1), (2, 1), (0, 2), (0, 0)]), privact.Group(q, [c, d], [(0, 1)])]
+
+
 def test_packed_row_of_the_worked_example():
-    """collate_pairs' docstring example, prompt [p0 p1], chosen [c0], rejected [r0 r1], beside a longer pair that pads
-    it: positions restart for the rejected tokens, which do not see c0; each side is scored from the prompt's last
-    token; padding holds pad_id, position 0 and label -100."""
-    p0, p1, c0, r0, r1, pad = 10, 11, 12, 13, 14, 0
-    batch = privact.collate_pairs([([p0, p1], [c0], [r0, r1]), ([p0, p1, p0], [c0, c0], [r0])], pad)
-    assert batch["input_ids"].tolist() == [[p0, p1, c0, r0, r1, pad], [p0, p1, p0, c0, c0, r0]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 0], [0, 1, 2, 3, 4, 3]]
-    assert batch["chosen_at"].tolist() == [[1, 2, 0], [2, 3, 4]]
-    assert batch["chosen_labels"].tolist() == [[-100, c0, -100], [-100, c0, c0]]
-    assert batch["rejected_at"].tolist() == [[1, 3, 4], [2, 5, 0]]
-    assert batch["rejected_labels"].tolist() == [[-100, r0, r1], [-100, r0, -100]]
-    mask = batch["attention_mask"][0, 0, :5, :5].int().tolist()
-    assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
-    assert batch["attention_mask"].shape == (2, 1, 6, 6) and batch["attention_mask"].dtype == torch.bool
+    """collate_groups' docstring example, prompt [p0 p1], responses a = [a0], b = [b0 b1], c = [c0], pairs (a, b) and
+    (c, b), beside a longer group that pads it: positions restart for every response, which sees the prompt and
+    itself only; each response is scored from the prompt's last token; the indices point into the flattened rows;
+    padding holds pad_id, position 0 and label -100."""
+    p0, p1, a0, b0, b1, c0, pad = 10, 11, 12, 13, 14, 15, 0
+    first = privact.Group([p0, p1], [[a0], [b0, b1], [c0]], [(0, 1), (2, 1)])
+    second = privact.Group([p0, p1, p0], [[c0, c0], [b0, b1]], [(1, 0)])
+    batch = privact.collate_groups([first, second], pad)
+    assert batch["input_ids"].tolist() == [[p0, p1, a0, b0, b1, c0, pad], [p0, p1, p0, c0, c0, b0, b1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 2, 0], [0, 1, 2, 3, 4, 3, 4]]
+    width = 7  # row 1's position t is 7 + t
+    assert batch["response_at"].tolist() == [[1, 2, 0], [1, 3, 4], [1, 5, 0], [9, 10, 11], [9, 12, 13]]
+    assert batch["labels"].tolist() == [
+        [-100, a0, -100],
+        [-100, b0, b1],
+        [-100, c0, -100],
+        [-100, c0, c0],
+        [-100, b0, b1],
+    ]
+    assert batch["chosen"].tolist() == [0, 2, 4] and batch["rejected"].tolist() == [1, 1, 3]
+    mask = batch["attention_mask"][0, 0, :6, :6].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [1, 1, 0, 0, 0, 1],
+    ]
+    assert batch["attention_mask"].shape == (2, 1, width, width) and batch["attention_mask"].dtype == torch.bool
+
+
+def plain_logp(model, prompt, response):
+    """A response's summed log-prob after its prompt alone: one unpadded sequence, the model's full logits."""
+    ids = torch.tensor([prompt + response])
+    labels = torch.tensor([[-100] * len(prompt) + response])
+    return privact.sequence_logps(model(input_ids=ids).logits, labels)[0]
 
 
 def test_packed_rows_score_each_response_as_alone(tiny_model):
-    """response_logps on packed, right-padded rows [prompt | chosen | rejected] equals sequence_logps on each
-    response after its prompt alone, unpadded, with the model's full logits."""
+    """response_logps on packed, right-padded rows [prompt | r1 | ... | rn] equals sequence_logps on each response
+    after its prompt alone, unpadded, with the model's full logits."""
     model, tok = privact.load_model(tiny_model)
-    examples = [(list(range(3, 3 + n)), [7] * c, [9] * r) for n, c, r in ((40, 5, 9), (12, 3, 2), (25, 8, 1))]
+    groups = [
+        privact.Group(list(range(3, 43)), [[7] * 5, [9] * 9, [8] * 4], [(0, 1), (2, 1)]),
+        privact.Group(list(range(3, 15)), [[7] * 3, [9] * 2], [(0, 1)]),
+        privact.Group(list(range(3, 28)), [[7] * 8, [9]], [(1, 0)]),
+    ]
     with torch.no_grad():
-        chosen, rejected = privact.response_logps(model, privact.collate_pairs(examples, tok.pad_token_id))
-        for i, (prompt, *responses) in enumerate(examples):
-            for got, response in zip((chosen[i], rejected[i]), responses, strict=True):
-                ids = torch.tensor([prompt + response])
-                labels = torch.tensor([[-100] * len(prompt) + response])
-                want = privact.sequence_logps(model(input_ids=ids).logits, labels).item()
-                assert got.item() == pytest.approx(want, abs=1e-4)
+        got = privact.response_logps(model, privact.collate_groups(groups, tok.pad_token_id))
+        want = [plain_logp(model, group.prompt, response) for group in groups for response in group.responses]
+    assert got.tolist() == pytest.approx(torch.stack(want).tolist(), abs=1e-4)
+
+
+def test_grouped_losses_and_gradient_equal_per_pair_packing(tiny_model):
+    """Two sibling groups of four responses, split 2-2 and 1-3 as tau splits them (4 + 3 pairs), in one micro-batch:
+    each pair's DPO loss, and the gradient of their mean, equal those of the same pairs packed one pair a row and of
+    the pairs computed apart, one unpadded sequence per response (float32 rounding). The policy has moved from its
+    reference, so the losses are not log 2."""
+    model, tok = privact.load_model(tiny_model)
+    reference, _ = privact.load_model(tiny_model)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    responses = [[7, 8, 9], [9] * 5, [8, 7], [10] * 4]
+    groups = [
+        privact.Group(list(range(3, 40)), responses, [(0, 2), (0, 3), (1, 2), (1, 3)]),
+        privact.Group(list(range(5, 30)), responses, [(0, 1), (0, 2), (0, 3)]),
+    ]
+    singles = [privact.Group(g.prompt, [g.responses[c], g.responses[r]], [(0, 1)]) for g in groups for c, r in g.pairs]
+
+    def losses_and_gradient(batch):
+        model.zero_grad()
+        with torch.no_grad():
+            ref = privact.response_logps(reference, batch)
+        loss, sums = privact.dpo_step(model, batch, ref, beta=0.4)
+        (loss / sums["pairs"]).backward()
+        logps = privact.response_logps(model, batch).detach()
+        chosen, rejected = batch["chosen"], batch["rejected"]
+        each = privact.dpo_loss(logps[chosen], logps[rejected], ref[chosen], ref[rejected], 0.4)[0]
+        return each, [p.grad.clone() for p in model.parameters()]
+
+    grouped, grouped_grad = losses_and_gradient(privact.collate_groups(groups, tok.pad_token_id))
+    per_pair, per_pair_grad = losses_and_gradient(privact.collate_groups(singles, tok.pad_token_id))
+    assert grouped.tolist() == pytest.approx(per_pair.tolist(), abs=1e-5)
+    assert min(grouped.tolist()) < math.log(2) - 1e-3 or max(grouped.tolist()) > math.log(2) + 1e-3
+    for a, b in zip(grouped_grad, per_pair_grad, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4)
+    model.zero_grad()
+    apart = []
+    for group in groups:
+        for c, r in group.pairs:
+            logps = [plain_logp(m, group.prompt, group.responses[i]) for m in (model, reference) for i in (c, r)]
+            apart.append(
+                privact.dpo_loss(*[x.reshape(1) for x in logps[:2]], *[x.detach().reshape(1) for x in logps[2:]], 0.4)[
+                    0
+                ]
+            )
+    torch.cat(apart).mean().backward()
+    assert torch.cat(apart).tolist() == pytest.approx(grouped.tolist(), abs=1e-4)
+    for a, p in zip(grouped_grad, model.parameters(), strict=True):
+        assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-3)
+
+
+def test_plan_packs_whole_groups_into_steps_and_resumes_by_groups_done():
+    """Groups of 3, 1, 4, 2 and 1 pairs, --batch-size 4: each epoch orders the groups from (seed, epoch) (seed 0: epoch
+    0 [4, 0, 1, 3, 2], epoch 1 [0, 4, 2, 3, 1]) and packs them in that order into micro-batches of at most 4 pairs, a
+    new one where the next group would not fit, so a group never straddles a step. Worked by hand for --grad-accum 2
+    and 1, a resume under another --batch-size, two processes, and --max-steps."""
+    counts = [3, 1, 4, 2, 1]
+    start = {"step": 0, "epoch": 0, "groups": 0}
+
+    def plan(epochs, progress=start, process=0, processes=1, **flags):
+        cfg = privact.TrainConfig(**{"batch_size": 4, "grad_accum": 2, **flags})
+        steps = privact.plan_steps(counts, epochs, progress, cfg, process, processes)
+        return [(s.epoch, s.groups_done, s.pairs, [(m.groups, m.weight) for m in s.micro_batches]) for s in steps]
+
+    assert plan(2) == [
+        (0, 4, 7, [([4, 0], 1.0), ([1, 3], 1.0)]),
+        (0, 5, 4, [([2], 1.0)]),
+        (1, 3, 8, [([0, 4], 1.0), ([2], 1.0)]),
+        (1, 5, 3, [([3, 1], 1.0)]),
+    ]
+    once = plan(1, grad_accum=1)
+    assert once == [(0, 2, 4, [([4, 0], 1.0)]), (0, 4, 3, [([1, 3], 1.0)]), (0, 5, 4, [([2], 1.0)])]
+    # killed after step 1 and resumed at --batch-size 2: the rest of epoch 0 once (a group of 4 alone), then epoch 1
+    resumed = plan(2, {"step": 1, "epoch": 0, "groups": 2}, batch_size=2, grad_accum=1)
+    assert [micro for *_, micro in resumed] == [[([g], 1.0)] for g in (1, 3, 2, 0, 4, 2, 3, 1)]
+    assert [epoch for epoch, *_ in resumed] == [0, 0, 0, 1, 1, 1, 1, 1]
+    # two processes: a step's micro-batches dealt out; the one left short runs the step's first at weight 0
+    assert plan(1, process=0, processes=2, grad_accum=1) == [(0, 4, 7, [([4, 0], 1.0)]), (0, 5, 4, [([2], 1.0)])]
+    assert plan(1, process=1, processes=2, grad_accum=1) == [(0, 4, 7, [([1, 3], 1.0)]), (0, 5, 4, [([2], 0.0)])]
+    assert len(plan(2, {"step": 1, "epoch": 0, "groups": 4}, max_steps=3)) == 2
 
 
 def test_cosine_lr_hand_values():
@@ -1925,18 +2038,15 @@ def test_two_process_collect_killed_resumes_with_one(tmp_path, data_file, tiny_m
 # ----------------------------------------------------------------------------------------------
 
 
-def write_pairs(path, role, n=8):
-    chat = privact.build_chat(role, make_case("c"), [("generator", "Action: MessengerSendMessage")])
-    rows = [
-        {
-            "case": f"c{i}",
-            "role": role,
-            "prompt": chat,
-            "chosen": f"keep it private {i}",
-            "rejected": f"Alice has diabetes {i}",
-        }
-        for i in range(n)
-    ]
+def write_pairs(path, role, n=8, per_prompt=1):
+    """n pairs of `role` written as a pairs file, `per_prompt` pairs to a prompt (a sibling group), each prompt its own
+    draft."""
+    rows = []
+    for i in range(n):
+        draft = f"Action: MessengerSendMessage {i // per_prompt}"
+        chat = privact.build_chat(role, make_case("c"), [("generator", draft)])
+        row = {"case": f"c{i}", "role": role, "prompt": chat}
+        rows.append({**row, "chosen": f"keep it private {i}", "rejected": f"Alice has diabetes {i}"})
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -2000,45 +2110,6 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model):
     assert not (tmp_path / "ckpt.state").exists()
 
 
-FREED_BLOCKS = """
-import sys, torch, privact
-
-def resident_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
-
-if sys.argv[1:]:
-    assert privact.main(sys.argv[1:]) == 0
-# an 8 MB block freed: glibc's own threshold rises to 8 MB
-torch.ones(8 << 20, dtype=torch.uint8)
-# blocks of a layer's input size between small ones that live on, as in a DPO step
-blocks, kept = [], []
-for _ in range(40):
-    blocks.append(torch.ones(6 << 20, dtype=torch.uint8))
-    kept.append(torch.ones(64 << 10, dtype=torch.uint8))
-before = resident_mb()
-blocks.clear()
-print("RELEASED", before - resident_mb())
-"""
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
-def test_train_hands_freed_blocks_back_to_the_os(tmp_path, tiny_model):
-    """After train has started, a freed 6 MB block goes back to the OS, not into glibc's heap (40 of them: 240 MB);
-    a process that did not train keeps them."""
-    pairs_path = tmp_path / "pairs_refiner.jsonl"
-    write_pairs(pairs_path, "refiner", 2)
-    train = [str(arg) for arg in train_args(pairs_path, tmp_path / "ckpt", tiny_model, "--max-steps", "1")]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MALLOC_")}
-    released = {}
-    for name, args in (("trained", train), ("plain", [])):
-        proc = subprocess.run(
-            [sys.executable, "-c", FREED_BLOCKS, *args], capture_output=True, text=True, env=env, cwd=HERE
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        released[name] = int(proc.stdout.split("RELEASED")[-1])
-    assert released["trained"] >= 200 and released["plain"] <= 40, released
-
-
 def test_a_schedule_with_no_learning_rate_is_said_before_training(tmp_path, tiny_model, capsys):
     """--max-steps 1 with the default --warmup-ratio 0.1: ceil(0.1 x 1) = 1 warmup step, so the only step runs at lr
     0 and no weight moves: train says so before it starts. --warmup-ratio 0 trains."""
@@ -2060,20 +2131,33 @@ def test_a_schedule_with_no_learning_rate_is_said_before_training(tmp_path, tiny
     assert any(not torch.equal(moved[k], start[k]) for k in start)
 
 
-def test_every_epoch_reshuffles_and_a_partial_step_gets_a_full_steps_gradient(tmp_path, tiny_model, monkeypatch):
-    """Five copies of one pair, --batch-size 1 --grad-accum 4, the weights held still (learning rate 0): the epoch's
-    full step and its partial last step average the same gradient, so their gradient norms are equal (unweighted,
-    the partial step's would be a quarter). Nine pairs of different lengths, one micro-batch a step, three epochs:
-    every epoch's steps hold other pairs (their mean log-probs differ), a rerun repeats them from the seed, and every
-    step of every epoch sits at log 2."""
+def test_a_steps_gradient_is_the_mean_over_its_pairs_and_every_epoch_reshuffles(tmp_path, tiny_model, monkeypatch):
+    """A group of 3 pairs and a group of 1, one step, the weights held still (learning rate 0): in one micro-batch
+    (--batch-size 4) and in two of 3 and 1 pairs (--batch-size 3 --grad-accum 2) the step's gradient is the mean over
+    its 4 pairs, the gradient computed apart (one unpadded sequence per response; a mean of the two micro-batches'
+    means would differ). Nine pairs of different lengths, one micro-batch a step, three epochs: every epoch's steps
+    hold other pairs (their mean log-probs differ), a rerun repeats them from the seed, and every step of every
+    epoch sits at log 2."""
     pairs = tmp_path / "pairs_verifier.jsonl"
-    rows = write_pairs(pairs, "verifier", 1) * 5
+    rows = write_pairs(pairs, "verifier", 3, per_prompt=3) + write_pairs(pairs, "verifier", 1)
+    rows[1]["chosen"] *= 4
+    rows[2]["rejected"] *= 7
     pairs.write_text("".join(json.dumps({**row, "case": f"c{i}"}) + "\n" for i, row in enumerate(rows)))
+    model, tok = privact.load_model(tiny_model)
+    examples, _ = privact.tokenize_pairs(tok, rows, 4096)
+    # at the reference, each pair's DPO gradient is -beta / 2 times that of its log-prob margin
+    margins = [plain_logp(model, p, c) - plain_logp(model, p, r) for p, c, r in examples]
+    (-0.4 / 2 * torch.stack(margins).mean()).backward()
+    apart = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
     monkeypatch.setattr(privact, "cosine_lr", lambda step, steps, cfg: 0.0)
-    args = ["--batch-size", "1", "--grad-accum", "4", "--epochs", "1", "--max-grad-norm", "1e9"]
-    assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "partial", *args) == 0
-    history = json.loads((tmp_path / "partial" / "train_metrics.json").read_text())["history"]
-    assert len(history) == 2 and history[1]["train/grad_norm"] == pytest.approx(history[0]["train/grad_norm"], rel=1e-5)
+    norms = []
+    for batch_size, grad_accum in ((4, 1), (3, 2)):
+        out = tmp_path / f"b{batch_size}"
+        args = ["--batch-size", batch_size, "--grad-accum", grad_accum, "--epochs", "1", "--max-grad-norm", "1e9"]
+        assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--out", out, *args) == 0
+        (row,) = json.loads((out / "train_metrics.json").read_text())["history"]
+        norms.append(row["train/grad_norm"])
+    assert norms == pytest.approx([apart, apart], rel=1e-4)
     rows = write_pairs(pairs, "verifier", 9)
     pairs.write_text(
         "".join(json.dumps({**row, "chosen": row["chosen"] * (1 + i)}) + "\n" for i, row in enumerate(rows))
@@ -2165,14 +2249,15 @@ def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
 
 @pytest.fixture(scope="session")
 def smollm2_refiner_pairs(tmp_path_factory):
-    """4 refiner pairs on real PrivacyLens prompts (2 train cases, a draft and a critique each, about 2k tokens), both
-    sides sampled by the embedded SmolLM2 itself (T = 1, each response at least 64 tokens), with their sampled ids, as
-    collect writes them. Their rows differ in length, so a micro-batch of 2 pads one of them, by an amount that
-    changes when an epoch reshuffles the pairs. Returns the pairs file."""
+    """Three sibling groups of refiner pairs on real PrivacyLens prompts (3 train cases, a draft and a critique each,
+    about 2k tokens), as collect builds them: four refinements sampled by the embedded SmolLM2 itself (T = 1, each at
+    least 64 tokens), two above tau and two below, so 4 pairs a group, with their sampled ids. The rows differ in
+    length, so a micro-batch of two groups pads one of them, by an amount that changes when an epoch reshuffles the
+    groups. Returns the pairs file."""
     needs_smollm2()
     model, tok = privact.load_model("smollm2")
     chats = []
-    for case in privact.load_cases("", "train", 2):
+    for case in privact.load_cases("", "train", 3):
         tool = case["trajectory"]["final_action"]
         draft = f"Thought: I will do what {case['trajectory']['user_name']} asked.\nAction: {tool}\nAction Input: {{}}"
         chats.append(privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")]))
@@ -2180,14 +2265,16 @@ def smollm2_refiner_pairs(tmp_path_factory):
     decoding = privact.Decoding(samples=8, max_new_tokens=96, temperature=1.0, prefix=privact.P.ACTION_PREFIX)
     rows = []
     for n, (chat, samples) in enumerate(
-        zip(chats, privact.generate(model, tok, chats, decoding, cfg_of(16)), strict=True)
+        zip(chats, privact.generate(model, tok, chats, decoding, cfg_of(24)), strict=True)
     ):
         long_enough = [sample for sample in samples if len(sample.token_ids) >= 64]
         assert len(long_enough) >= 4, [len(sample.token_ids) for sample in samples]
-        for a, b in (long_enough[0:2], long_enough[2:4]):  # a chosen over b
-            chosen = Node("refiner", chat, a.text, value=1.0, token_ids=a.token_ids, finish=a.finish)
-            rejected = Node("refiner", chat, b.text, value=0.0, token_ids=b.token_ids, finish=b.finish)
-            (built,) = privact.build_pairs(Node("input", [], "", [chosen, rejected]), {"refiner": 0.5})
+        siblings = []
+        for sample, value in zip(long_enough[:4], (1.0, 1.0, 0.0, 0.0), strict=True):
+            siblings.append(
+                Node("refiner", chat, sample.text, value=value, token_ids=sample.token_ids, finish=sample.finish)
+            )
+        for built in privact.build_pairs(Node("input", [], "", siblings), {"refiner": 0.5}):
             rows.append({"case": f"case{n}", **built, "sampled_with": privact.tokenizer_fingerprint(tok)})
     folder = tmp_path_factory.mktemp("smollm2_pairs")
     (folder / "pairs_refiner.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -2195,15 +2282,15 @@ def smollm2_refiner_pairs(tmp_path_factory):
 
 
 # the weights held still: a learning rate far below what moves a float32 or bf16 weight, no warmup
-HELD_STILL = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "3", "--grad-accum", "1", "--batch-size", "2")
+HELD_STILL = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "3", "--grad-accum", "1", "--batch-size", "8")
 
 
 @pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
 def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
-    """bf16 autocast on the whole SmolLM2 and its own 4 pairs, 3 epochs, each reshuffling the pairs into new
-    micro-batches of 2 (padded to other widths), the weights held still: every step within 1e-3 of log 2, against the
-    reference log-probs of that step's own micro-batch (in bf16, a pair scored in another micro-batch moves by up to
-    0.17 nats)."""
+    """bf16 autocast on the whole SmolLM2 and its own three groups of 4 pairs, 3 epochs, each reshuffling the groups
+    into new micro-batches of 8 pairs (two groups, padded to other widths, then one), the weights held still: every
+    step within 1e-3 of log 2, against the reference log-probs of that step's own micro-batch (in bf16, a response
+    scored in another micro-batch moves by up to 0.17 nats)."""
     args = ["train", "--pairs", smollm2_refiner_pairs, "--model", "smollm2", "--out", tmp_path / "autocast"]
     assert run_cli(*args, *HELD_STILL, "--mixed-precision", "bf16") == 0
     metrics = json.loads((tmp_path / "autocast" / "train_metrics.json").read_text())
@@ -2307,25 +2394,56 @@ def test_a_pair_longer_than_max_length_is_left_out_and_counted(tmp_path, tiny_mo
     assert metrics["train/pairs_too_long"] == 1 and metrics["train/pairs"] == 3
 
 
+def chosen_of(batch):
+    """The chosen responses' token ids of a packed batch, one list per pair: a pair's name in the tests below."""
+    rows = batch["labels"][batch["chosen"]].tolist()
+    return [[token for token in row if token != -100] for row in rows]
+
+
+def each_pair_once_an_epoch(seen, pairs, epochs):
+    """Whether `seen` (the pairs trained, in order) is `epochs` epochs that each hold each of `pairs` pairs once."""
+    names = [json.dumps(pair) for pair in seen]
+    chunks = [names[i * pairs : (i + 1) * pairs] for i in range(epochs)]
+    return len(names) == pairs * epochs and all(len(set(chunk)) == pairs for chunk in chunks)
+
+
 def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, monkeypatch, capsys):
-    """An out-of-memory error before any state is saved: one line naming --batch-size; the same command with a
-    smaller batch trains (nothing was saved to refuse it)."""
+    """Ten pairs in five groups of 2, --batch-size 4: an out-of-memory error at the third step, after two saved
+    states, is one line naming --batch-size. The same command at --batch-size 2 --grad-accum 2 (the advice) resumes
+    where the saved state stands: every pair is trained once in each of the two epochs, the rest of epoch 0 and all
+    of epoch 1 in the new micro-batches."""
     pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 8)
+    write_pairs(pairs, "verifier", 10, per_prompt=2)
     real_step = privact.dpo_step
-    monkeypatch.setattr(privact, "dpo_step", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA OOM")))
-    args = ["train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "v", "--max-steps", "2"]
-    assert run_cli(*args, "--batch-size", "8", "--grad-accum", "1") == 2
+    seen = []
+
+    def out_of_memory_at_the_third(policy, batch, reference, beta):
+        calls = len(seen) // 4 + 1
+        if calls == 3:
+            raise torch.OutOfMemoryError("CUDA OOM")
+        seen.extend(chosen_of(batch))
+        return real_step(policy, batch, reference, beta)
+
+    monkeypatch.setattr(privact, "dpo_step", out_of_memory_at_the_third)
+    args = ["train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "v", "--epochs", "2"]
+    args += ["--save-every", "1"]
+    assert run_cli(*args, "--batch-size", "4", "--grad-accum", "1") == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert "out of memory at --batch-size 8" in err and "smaller --batch-size" in err
-    monkeypatch.setattr(privact, "dpo_step", real_step)
-    assert run_cli(*args, "--batch-size", "4", "--grad-accum", "2") == 0
-    assert json.loads((tmp_path / "v" / "train_metrics.json").read_text())["step"] == 2
+    assert "out of memory at --batch-size 4" in err and "smaller --batch-size" in err
+    assert len(seen) == 8
+    monkeypatch.setattr(
+        privact, "dpo_step", lambda policy, batch, *a: seen.extend(chosen_of(batch)) or real_step(policy, batch, *a)
+    )
+    assert run_cli(*args, "--batch-size", "2", "--grad-accum", "2") == 0
+    assert "resuming from step 2 of 6 (epoch 0, 4 of its 5 groups done)" in capsys.readouterr().out
+    assert each_pair_once_an_epoch(seen, 10, 2), seen
+    metrics = json.loads((tmp_path / "v" / "train_metrics.json").read_text())
+    assert metrics["pairs"] == 20 and [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
 
 
 def kill_after_step(cmd, state, step):
     """Start a training command and SIGKILL it once it has saved the state of step `step` or later."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=HERE)
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         saved = [int(p.name.split("-")[1]) for p in state.glob("step-*") if not p.name.endswith(".tmp")]
@@ -2377,20 +2495,72 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     assert not (tmp_path / "resumed.state").exists()
 
 
+# privact.py train, each micro-batch's pairs logged to the file argv[1] (one line of chosen token ids per call)
+LOGGED_TRAIN = """
+import json, sys
+import privact, test_privact
+
+real_step = privact.dpo_step
+
+def logged(policy, batch, *rest):
+    with open(sys.argv[1], "a") as fh:
+        fh.write(json.dumps(test_privact.chosen_of(batch)) + "\\n")
+    return real_step(policy, batch, *rest)
+
+privact.dpo_step = logged
+sys.exit(privact.main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow
-def test_train_on_two_processes_starts_at_log2(tmp_path, tiny_model):
-    """Nine pairs over two processes in micro-batches of 2: each process computes the reference log-probs of its
-    share of epoch 0 (accelerate repeats a pair to even the shares); in epoch 1 the pairs change processes, and
-    every step reads a reference (a pair's missing one would make its loss NaN)."""
+def test_train_killed_and_resumed_at_a_smaller_batch_trains_each_pair_once_an_epoch(tmp_path, tiny_model):
+    """Ten pairs in five groups of 2, --batch-size 4, one micro-batch a step, three epochs: SIGKILL once a state is
+    saved, then the same command at --batch-size 2. Of the killed run, the steps its last state holds count; with
+    the resumed run's, every pair is trained once in each epoch, none lost or repeated."""
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 10, per_prompt=2)
+    logs = (tmp_path / "killed.log", tmp_path / "resumed.log")
+
+    def command(log, batch_size):
+        args = train_args(pairs, tmp_path / "o", tiny_model, "--epochs", "3", "--save-every", "1", "--grad-accum", "1")
+        return [sys.executable, "-c", LOGGED_TRAIN, str(log), *map(str, args), "--batch-size", str(batch_size)]
+
+    saved = kill_after_step(command(logs[0], 4), tmp_path / "o.state", 2)
+    assert 2 <= saved < 9
+    resumed = subprocess.run(command(logs[1], 2), capture_output=True, text=True, timeout=600, cwd=HERE)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    kept = logs[0].read_text().splitlines()[:saved] + logs[1].read_text().splitlines()
+    seen = [pair for line in kept for pair in json.loads(line)]
+    assert each_pair_once_an_epoch(seen, 10, 3), seen
+    assert json.loads((tmp_path / "o" / "train_metrics.json").read_text())["pairs"] == 30
+
+
+@pytest.mark.slow
+def test_train_on_two_processes_sits_at_log2_and_reaches_one_processs_weights(tmp_path, tiny_model):
+    """Nine pairs in five sibling groups (four of 2 pairs, one of 1) over two processes, a group a micro-batch: a step
+    takes one micro-batch on each process, and an epoch's third step has one left, so the second process runs a copy
+    at weight 0. With the weights held still, every step of two reshuffled epochs sits at log 2 (each process scored
+    the reference of its own micro-batches), and the run counts each pair once an epoch (18). Trained, the two
+    processes reach the weights one process reaches with --grad-accum 2: the same micro-batches in the same steps,
+    each step's gradient (its norm logged) the mean over its pairs."""
     pairs = tmp_path / "pairs_refiner.jsonl"
-    write_pairs(pairs, "refiner", 9)
-    proc = torchrun(2, *train_args(pairs, tmp_path / "ddp", tiny_model, "--max-steps", "3"), port=29545)
+    write_pairs(pairs, "refiner", 9, per_prompt=2)
+    still = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "2", "--grad-accum", "1")
+    proc = torchrun(2, *train_args(pairs, tmp_path / "ddp", tiny_model, *still), port=29545)
     assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
     metrics = json.loads((tmp_path / "ddp" / "train_metrics.json").read_text())
-    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 3
-    history = metrics["history"]
-    assert history[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6) and history[-1]["epoch"] == 1
-    assert all(math.isfinite(row["train/loss"]) for row in history)
+    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 6 and metrics["pairs"] == 18
+    assert [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
+    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-6) for row in metrics["history"])
+    moved = ("--lr", "1e-3", "--epochs", "2")
+    proc = torchrun(2, *train_args(pairs, tmp_path / "two", tiny_model, *moved, "--grad-accum", "1"), port=29546)
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
+    assert run_cli(*train_args(pairs, tmp_path / "one", tiny_model, *moved, "--grad-accum", "2")) == 0
+    one, two, start = saved_weights(tmp_path / "one"), saved_weights(tmp_path / "two"), saved_weights(tiny_model)
+    assert max((one[k] - two[k]).abs().max().item() for k in one) <= 1e-5
+    norms = [json.loads((tmp_path / name / "train_metrics.json").read_text())["history"] for name in ("one", "two")]
+    assert [row["train/grad_norm"] for row in norms[1]] == pytest.approx([row["train/grad_norm"] for row in norms[0]])
+    assert any(not torch.equal(one[k], start[k]) for k in one), "training must change the weights"
 
 
 def test_pairs_load_in_trl_conversational_format(tmp_path, tiny_model):
