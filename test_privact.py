@@ -3144,15 +3144,21 @@ def test_gpu_run_script_prepares_installs_and_runs_the_paper_preset_in_tiny_mode
 
 
 @pytest.mark.slow
-def test_bench_train_measures_privact_and_trl_on_the_same_pairs(tiny_model):
-    """bench_train.py on the tiny model: both trainers run the same steps on the same pairs, each in its own
-    process; the ratios are those of their pairs/s and peak memory."""
+def test_bench_train_measures_grouped_per_pair_and_trl_on_the_same_pairs(tiny_model):
+    """bench_train.py on the tiny model: two sibling groups of four responses (2-2 and 1-3: 7 pairs), every trainer
+    one epoch over them in its own process; grouped rows hold fewer tokens than one row per pair, which hold fewer
+    than TRL's two rows per pair; the ratios are those of the pairs/s and peak memory."""
     pytest.importorskip("trl")
-    result, _ = run_bench("bench_train.py", "--model", tiny_model, "--num-pairs", "4", "--steps", "1")
-    privact_run, trl_run = result["privact"], result["trl"]
-    assert privact_run["steps"] == trl_run["steps"] == 1 and privact_run["pairs"] == trl_run["pairs"] == 4
-    assert result["speedup_pairs_per_s"] == pytest.approx(privact_run["pairs_per_s"] / trl_run["pairs_per_s"], rel=0.02)
-    assert result["memory_ratio"] == pytest.approx(privact_run["peak_rss_mb"] / trl_run["peak_rss_mb"], rel=0.02)
+    result, _ = run_bench("bench_train.py", "--model", tiny_model, "--groups", "2", "--epochs", "1")
+    assert result["pairs"] == 7 and result["groups"] == 2
+    runs = [result[name] for name in ("privact", "privact-per-pair", "trl")]
+    assert [run["pairs"] for run in runs] == [7, 7, 7]
+    tokens = [run["row_tokens_per_epoch"] for run in runs]
+    assert tokens[0] < tokens[1] < tokens[2]
+    grouped, per_pair = runs[0], runs[1]
+    ratio = result["ratios"]["privact vs privact-per-pair"]
+    assert ratio["speed"] == pytest.approx(grouped["pairs_per_s"] / per_pair["pairs_per_s"], rel=0.02)
+    assert ratio["memory"] == pytest.approx(grouped["peak_rss_mb"] / per_pair["peak_rss_mb"], rel=0.02)
 
 
 @pytest.mark.slow

@@ -12,8 +12,10 @@
 - eval: the same at K = 10 (branching 10,1,1) on test cases.
 - peers: on --peer-cases cases, benchmarks/bench_rollout.py's arms: plain generate(num_return_sequences=B)
   over length-sorted batches (what a user writes) beside privact's generate, seconds per case.
-- train: DPO pairs/s and peak memory at --batch-size-train pairs x --max-length tokens per micro-batch,
-  bf16 autocast, through `privact.py train` itself (TRL's DPOTrainer on the same pairs: bench_train.py).
+- train: DPO pairs/s and peak memory at --batch-size-train pairs per micro-batch, each pair (a prompt and two
+  responses) --max-length tokens, in sibling groups of four responses (4 pairs a group, as a 2-2 split at the
+  paper's tree gives), bf16 autocast, through `privact.py train` itself; then the same pairs one pair a row, for
+  the groups' speedup (TRL's DPOTrainer on collect-shaped pairs: bench_train.py).
 
 Stages run in the order collect, eval, peers, train; with --time-box, a stage that would start after the
 box has run out is skipped and named in the JSON, and an interrupt (Ctrl-C, gpu_run.sh's hard limit) ends
@@ -143,7 +145,7 @@ TINY = {  # --tiny: tiny shapes and budgets, on a CPU
     "branching": "2,2,2",
     "max_length": 320,
     "response_tokens": 16,
-    "batch_size_train": 2,
+    "batch_size_train": 4,
     "train_steps": 1,
 }
 
@@ -225,47 +227,81 @@ def peers_stage(ctx):
 
 
 def synthetic_pairs(args):
-    """Refiner pairs just under --max-length tokens: a long context and two replies of about --response-tokens
-    (a word "w1234" is up to 4 tokens; the chat template takes under 64)."""
+    """Refiner pairs in sibling groups as collect builds them at the paper's tree: four responses of about
+    --response-tokens to a prompt, two above tau and two below, so 4 pairs a group (--batch-size-train x
+    --train-steps pairs in all). A pair, the prompt and two responses, is just under --max-length tokens (a word
+    "w1234" is up to 4 tokens; the chat template takes under 64)."""
 
     def words(n, salt):
         return " ".join(f"w{(i * 7919 + salt) % 5000}" for i in range(n))
 
     prompt_words = (args.max_length - 2 * args.response_tokens - 64) // 4
     pairs = []
-    for i in range(args.batch_size_train * args.train_steps):
-        chosen, rejected = words(args.response_tokens // 4, i + 1), words(args.response_tokens // 4, i + 2)
-        prompt = [{"role": "user", "content": words(prompt_words, i)}]
-        pairs.append({"case": f"c{i}", "role": "refiner", "prompt": prompt, "chosen": chosen, "rejected": rejected})
+    for group in range(args.batch_size_train * args.train_steps // 4):
+        prompt = [{"role": "user", "content": words(prompt_words, group)}]
+        responses = [words(args.response_tokens // 4, 4 * group + n + 1) for n in range(4)]
+        for chosen in responses[:2]:
+            for rejected in responses[2:]:
+                pair = {
+                    "case": f"c{group}",
+                    "role": "refiner",
+                    "prompt": prompt,
+                    "chosen": chosen,
+                    "rejected": rejected,
+                }
+                pairs.append(pair)
     return pairs
 
 
-def train_stage(ctx):
-    """pairs/s and peak memory of `privact.py train` (on a GPU, the peak above what this process held before)."""
+def train_run(ctx, name, path, policy):
+    """`privact.py train` on the pairs at `path` -> (its train_metrics.json, its peak memory in bytes: on a GPU the
+    peak above what this process held before, on a CPU the process's)."""
     args = ctx.args
-    folder = ctx.tmp
-    path = os.path.join(folder, "pairs_refiner.jsonl")
-    privact.write_text(path, "".join(json.dumps(pair) + "\n" for pair in synthetic_pairs(args)))
-    model = random_model(ctx.policy_shape, ctx.tok, torch.float32, "cpu")
-    model.save_pretrained(os.path.join(folder, "policy"))
-    ctx.tok.save_pretrained(os.path.join(folder, "policy"))
-    del model
     baseline = 0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-    flags = ["--pairs", path, "--model", os.path.join(folder, "policy"), "--out", os.path.join(folder, "refiner")]
+    out = os.path.join(ctx.tmp, name)
+    flags = ["--pairs", path, "--model", policy, "--out", out]
     flags += ["--batch-size", str(args.batch_size_train), "--grad-accum", "1", "--epochs", "1"]
     flags += ["--max-length", str(args.max_length), "--mixed-precision", "bf16", "--save-every", "0"]
     if privact.main(["train", *flags]) != 0:
         raise SystemExit("bench_gpu: train failed")
-    metrics = privact.read_json(os.path.join(folder, "refiner", "train_metrics.json"))
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() - baseline
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return privact.read_json(os.path.join(out, "train_metrics.json")), peak
+
+
+def one_pair_groups(examples):
+    """The per-pair arm: every pair a group of its own, one row [prompt | chosen | rejected] (bench_train.py's)."""
+    return [privact.Group(prompt, [chosen, rejected], [(0, 1)]) for prompt, chosen, rejected in examples]
+
+
+def train_stage(ctx):
+    """pairs/s and peak memory of `privact.py train` on sibling groups (a row per group, as privact trains), then on
+    the same pairs one pair a row (the per-pair arm): the speedup of the groups at the paper's lengths."""
+    folder = ctx.tmp
+    path = os.path.join(folder, "pairs_refiner.jsonl")
+    privact.write_text(path, "".join(json.dumps(pair) + "\n" for pair in synthetic_pairs(ctx.args)))
+    policy = os.path.join(folder, "policy")
+    model = random_model(ctx.policy_shape, ctx.tok, torch.float32, "cpu")
+    model.save_pretrained(policy)
+    ctx.tok.save_pretrained(policy)
+    del model
+    metrics, peak = train_run(ctx, "grouped", path, policy)
     figures = {"pairs_per_s": round(metrics["history"][-1]["train/pairs_per_s"], 3), "peak_gib": round(peak / 2**30, 1)}
     figures["steps"] = metrics["step"]
+    real_groups = privact.group_pairs
+    privact.group_pairs = one_pair_groups
+    try:
+        metrics, peak = train_run(ctx, "per_pair", path, policy)
+    finally:
+        privact.group_pairs = real_groups
+    figures["per_pair_pairs_per_s"] = round(metrics["history"][-1]["train/pairs_per_s"], 3)
+    figures["per_pair_peak_gib"] = round(peak / 2**30, 1)
+    figures["speedup_over_per_pair"] = round(figures["pairs_per_s"] / figures["per_pair_pairs_per_s"], 2)
     ctx.figures["train"] = figures
     print(f"train:   {figures}", flush=True)
 

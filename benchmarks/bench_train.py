@@ -1,27 +1,29 @@
-"""DPO training cost: privact's hand-written DPO vs TRL's DPOTrainer on the same pairs.
+"""DPO on the tree collect sampled: privact's grouped rows, privact with one pair a row, and TRL's DPOTrainer.
 
-Each trainer runs in its own subprocess (so peak resident memory is its own) on the same pairs
-(real PrivacyLens refiner prompts, synthetic chosen/rejected actions), the same model, batch,
-accumulation, steps, beta and learning rate, in float32 on the CPU (or both under bf16 autocast,
---mixed-precision bf16). The default, 4 steps of 2 x 2 pairs, is 2 epochs over the 8 pairs, so both
-sides pay for their reference in a second, reshuffled epoch: privact scores every micro-batch of every
-epoch with the policy itself before the first step (one forward per pair per epoch); TRL, by default,
-holds a frozen copy of the model and scores each micro-batch with it beside the policy, as the
-release's TRL run did. Printed: wall time of the whole training command (model load, optimisation),
-pairs/s over that wall time, and peak RSS, plus the ratios.
+The pairs have the structure collect gives them: per train case, a refiner prompt (a real PrivacyLens case, 1.5-2.5k
+tokens) and four sibling responses of about 100 tokens with their values, split by tau as collect splits them
+(privact.build_pairs): 2-2, 1-3, 3-1 and 2-2 in turn, so 4, 3, 3, 4 pairs a group. Three trainers, each in its own
+subprocess (its peak resident memory its own), on the same pairs, model, epochs, pairs per optimizer step, beta and
+learning rate, float32, gradient checkpointing on all sides (the default of both), glibc's allocator at its defaults:
+
+- privact: `privact.py train` as its users run it: one row per sibling group, [prompt | r1 | ... | r4], each
+  response scored once per step by the policy and once per epoch by the reference;
+- privact-per-pair (this benchmark's ablation, not a privact flag): the same code with every pair a group of its own,
+  one row [prompt | chosen | rejected] per pair, as privact packed pairs before it grouped them;
+- trl: TRL's DPOTrainer, a frozen reference copy beside the policy (its default, the release's setting), chosen and
+  rejected as two rows, each with the whole prompt.
+
+Printed per trainer: wall time of the whole training command (model load included), pairs/s over it (every pair of
+every epoch), peak RSS, and the share of the CPU's limit: the tokens each trainer pushes through the model per
+second, counted as five forward passes per row token (the reference's forward, the policy's forward, its
+recomputation under checkpointing, and a backward at twice a forward), over the tokens/s of one forward of a
+[1, 2048] row on this CPU. Then the ratios, and one JSON line.
 
     python benchmarks/bench_train.py
 
-TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it
-only privact is measured. TRL runs with its defaults for the reference model (a frozen copy held
-in memory); pass --trl-precompute to have it precompute reference log-probs instead.
-
-Peak RSS counts what glibc keeps of freed memory for reuse. Each side runs as its users run it:
-privact's train hands freed blocks of 4 MB and more back to the OS (privact.return_freed_blocks),
-TRL runs under glibc's defaults. To run both under the same threshold (both children inherit it, and
-privact then leaves it as set):
-
-    MALLOC_MMAP_THRESHOLD_=4194304 python benchmarks/bench_train.py
+TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it the two privact arms
+run alone. TRL's micro-batch holds --trl-batch-size pairs (its rows take far more memory than privact's), with the
+accumulation that gives it the same pairs per optimizer step.
 """
 
 import argparse
@@ -37,65 +39,88 @@ import common  # noqa: F401  (puts privact.py on the path)
 import privact
 from bench_rollout import cpu_name
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+# positives per group of four (the rest are negatives): collect's tau splits, in turn
+SPLITS = (2, 1, 3, 2)
+TRAINERS = ("privact", "privact-per-pair", "trl")
 
 
-def make_pairs(data, n, path):
-    """Refiner prompts of n train cases; chosen keeps the sensitive items out, rejected leaks them."""
+def response(case, leaks, n):
+    """A refiner output of about 100 tokens calling the case's tool: a leaking one carries the sensitive items."""
+    trajectory = case["trajectory"]
+    tool = trajectory["final_action"]
+    argument = privact.P.FINAL_TOOLS[tool].split(":")[0].rstrip("*")
+    if leaks:
+        body = "Here is everything I found. " + " ".join(trajectory["sensitive_info_items"])
+    else:
+        body = f"A short update on the task ({trajectory['user_instruction'][:120]}), with no personal details."
+    thought = f"Thought: Draft {n}. I act for {trajectory['user_name']} and share only what the task needs here."
+    return f"{thought}\nAction: {tool}\nAction Input: {json.dumps({argument: body})}"
+
+
+def make_pairs(data, groups, path):
+    """`groups` sibling groups of 4 refiner responses on train cases, values 1 (positives) and -1, split at tau 0 by
+    privact.build_pairs; written as collect writes pairs (through their text: no sampled ids)."""
     rows = []
-    for case in privact.load_cases(data, "train", n):
-        t = case["trajectory"]
-        tool, arg = t["final_action"], privact.P.FINAL_TOOLS[t["final_action"]].split(":")[0].rstrip("*")
-        draft = f'Thought: I will do what {t["user_name"]} asked.\nAction: {tool}\nAction Input: {{"{arg}": "..."}}'
+    for index, case in enumerate(privact.load_cases(data, "train", groups)):
+        trajectory = case["trajectory"]
+        tool = trajectory["final_action"]
+        draft = f"Thought: I will do what {trajectory['user_name']} asked.\nAction: {tool}\nAction Input: {{}}"
         chat = privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")])
-        body = " ".join(t["sensitive_info_items"])
-        rows.append(
-            {
-                "case": case["name"],
-                "role": "refiner",
-                "prompt": chat,
-                "chosen": f"Thought: Share only what the task needs.\nAction: {tool}\nAction Input: "
-                + json.dumps({arg: "A short update on the task, with no personal details."}),
-                "rejected": f"Thought: Share everything.\nAction: {tool}\nAction Input: {json.dumps({arg: body})}",
-            }
-        )
+        positives = SPLITS[index % len(SPLITS)]
+        siblings = []
+        for n in range(4):
+            leaks = n >= positives
+            node = privact.Node("refiner", chat, response(case, leaks, n), value=-1.0 if leaks else 1.0)
+            siblings.append(node)
+        root = privact.Node("input", [], children=siblings)
+        for pair in privact.build_pairs(root, {"refiner": 0.0}):
+            rows.append({"case": case["name"], **pair})
     with open(path, "w") as fh:
-        fh.write("".join(json.dumps(r) + "\n" for r in rows))
+        fh.write("".join(json.dumps(row) + "\n" for row in rows))
+    return rows
+
+
+def row_tokens(args, rows):
+    """Tokens each trainer's rows hold in one epoch: grouped rows, one row per pair, TRL's two rows per pair."""
+    tok = privact.load_tokenizer(args.model)
+    examples, _ = privact.tokenize_pairs(tok, rows, 10**6)
+    groups = privact.group_pairs(examples)
+    grouped = sum(len(group.prompt) + sum(map(len, group.responses)) for group in groups)
+    per_pair = sum(len(prompt) + len(chosen) + len(rejected) for prompt, chosen, rejected in examples)
+    trl = sum(2 * len(prompt) + len(chosen) + len(rejected) for prompt, chosen, rejected in examples)
+    return {"privact": grouped, "privact-per-pair": per_pair, "trl": trl}, len(groups)
+
+
+def forward_ceiling(model_name, length=2048):
+    """Tokens/s of one forward of a [1, length] row of random ids (the best of three), without gradients."""
+    import torch
+
+    model, _ = privact.load_model(model_name)
+    ids = torch.randint(0, model.config.vocab_size, (1, length))
+    best = 0.0
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            best = max(best, length / (time.perf_counter() - start))
+    return best
+
+
+def one_pair_groups(examples):
+    """privact-per-pair: every pair a group of its own, one row [prompt | chosen | rejected]."""
+    return [privact.Group(prompt, [chosen, rejected], [(0, 1)]) for prompt, chosen, rejected in examples]
 
 
 def run_privact(args, pairs, out):
-    privact.main(
-        [
-            "train",
-            "--pairs",
-            pairs,
-            "--model",
-            args.model,
-            "--out",
-            out,
-            "--batch-size",
-            str(args.batch_size),
-            "--grad-accum",
-            str(args.grad_accum),
-            "--max-steps",
-            str(args.steps),
-            "--epochs",
-            "1000",
-            "--beta",
-            "0.4",
-            "--lr",
-            str(args.lr),
-            "--seed",
-            "0",
-            "--save-every",
-            "0",
-            "--mixed-precision",
-            args.mixed_precision,
-            "--gradient-checkpointing" if args.gradient_checkpointing else "--no-gradient-checkpointing",
-        ]
-    )
-    with open(os.path.join(out, "train_metrics.json")) as fh:
-        return json.load(fh)["step"]
+    if args.child == "privact-per-pair":
+        privact.group_pairs = one_pair_groups
+    flags = ["train", "--pairs", pairs, "--model", args.model, "--out", out, "--seed", "0", "--save-every", "0"]
+    flags += ["--batch-size", args.batch_size, "--grad-accum", args.grad_accum, "--epochs", args.epochs]
+    # every pair whole, as TRL at max_length=None
+    flags += ["--beta", "0.4", "--lr", args.lr, "--mixed-precision", "no", "--max-length", 10**6]
+    if privact.main([str(flag) for flag in flags]):
+        sys.exit("privact train failed")
+    return privact.read_json(os.path.join(out, "train_metrics.json"))["pairs"]
 
 
 def run_trl(args, pairs, out):
@@ -104,130 +129,116 @@ def run_trl(args, pairs, out):
     from trl import DPOConfig, DPOTrainer
 
     model, tok = privact.load_model(args.model, dtype=torch.float32)
-    with open(pairs) as fh:
-        rows = [json.loads(line) for line in fh]
-    ds = datasets.Dataset.from_list(
-        [
-            {
-                "prompt": r["prompt"],
-                "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                "rejected": [{"role": "assistant", "content": r["rejected"]}],
-            }
-            for r in rows
-        ]
-    )
+    rows = privact.read_json(pairs)
+    examples = []
+    for row in rows:
+        chosen = [{"role": "assistant", "content": row["chosen"]}]
+        rejected = [{"role": "assistant", "content": row["rejected"]}]
+        examples.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected})
+    pairs_per_step = args.batch_size * args.grad_accum
     cfg = DPOConfig(
         output_dir=out,
-        per_device_train_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        max_steps=args.steps,
+        per_device_train_batch_size=args.trl_batch_size,
+        gradient_accumulation_steps=pairs_per_step // args.trl_batch_size,
+        num_train_epochs=args.epochs,
         learning_rate=args.lr,
         beta=0.4,
-        max_length=4096,
+        max_length=None,
         lr_scheduler_type="cosine",
         report_to=[],
         save_strategy="no",
         logging_steps=1000,
         use_cpu=True,
-        bf16=args.mixed_precision == "bf16",
+        bf16=False,
         seed=0,
         dataloader_num_workers=0,
-        precompute_ref_log_probs=args.trl_precompute,
-        gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing=True,
     )
-    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok)
+    trainer = DPOTrainer(
+        model=model, args=cfg, train_dataset=datasets.Dataset.from_list(examples), processing_class=tok
+    )
     trainer.train()
-    return trainer.state.global_step
+    return len(rows) * args.epochs
 
 
 def child(args):
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        steps = (run_privact if args.child == "privact" else run_trl)(args, args.pairs, os.path.join(tmp, "out"))
+        train = run_trl if args.child == "trl" else run_privact
+        pairs = train(args, args.pairs, os.path.join(tmp, "out"))
     seconds = time.perf_counter() - start
-    pairs = steps * args.batch_size * args.grad_accum
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "trainer": args.child,
-                "steps": steps,
-                "pairs": pairs,
-                "seconds": round(seconds, 1),
-                "pairs_per_s": round(pairs / seconds, 3),
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-            }
-        )
-    )
+    result = {"trainer": args.child, "pairs": pairs, "seconds": round(seconds, 1)}
+    result["pairs_per_s"] = round(pairs / seconds, 4)
+    result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print("RESULT " + json.dumps(result))
 
 
 def main():
     ap = common.parser(__doc__, data="", model="smollm2")
-    ap.add_argument("--pairs", default="", help="a pairs JSONL to train on (default: built from --num-pairs cases)")
+    ap.add_argument("--groups", type=int, default=4, help="sibling groups of 4 responses, one per train case")
+    ap.add_argument("--batch-size", type=int, default=4, help="privact's pairs per micro-batch (whole groups)")
+    ap.add_argument("--grad-accum", type=int, default=2, help="privact's micro-batches per optimizer step")
     ap.add_argument(
-        "--num-pairs", type=int, default=8, help="pairs to build from train cases when --pairs is not given"
+        "--trl-batch-size",
+        type=int,
+        default=2,
+        help="TRL's pairs per micro-batch; its accumulation makes the same pairs per step as privact's",
     )
-    ap.add_argument("--batch-size", type=int, default=2, help="pairs per micro-batch, both trainers")
-    ap.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step, both trainers")
-    ap.add_argument("--steps", type=int, default=4, help="optimizer steps, both trainers (4: 2 epochs of 8 pairs)")
-    ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, both trainers")
+    ap.add_argument("--epochs", type=int, default=2, help="epochs over the pairs, every trainer")
+    ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, every trainer")
     ap.add_argument(
-        "--gradient-checkpointing",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-        help="gradient checkpointing on both sides (the default of both: privact's flag, TRL's DPOConfig)",
+        "--trainers", default=",".join(TRAINERS), help=f"which to run, comma separated (default: {','.join(TRAINERS)})"
     )
-    ap.add_argument(
-        "--trl-precompute", action="store_true", help="TRL precomputes reference log-probs (no ref model held)"
-    )
-    ap.add_argument(
-        "--mixed-precision",
-        default="no",
-        choices=["no", "bf16"],
-        help="no: float32 on both sides; bf16: autocast on both (privact --mixed-precision bf16, TRL bf16=True)",
-    )
+    ap.add_argument("--pairs", default="", help=argparse.SUPPRESS)
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
     tmp = tempfile.mkdtemp()
-    if args.model in privact.EMBEDDED_MODELS:  # TRL re-reads the config from the path: give both a plain HF folder
-        model, tok = privact.load_model(args.model)
-        model.save_pretrained(os.path.join(tmp, "model"))
-        tok.save_pretrained(os.path.join(tmp, "model"))
-        args.model = os.path.join(tmp, "model")
-    if not args.pairs:
-        args.pairs = os.path.join(tmp, "pairs_refiner.jsonl")
-        make_pairs(args.data, args.num_pairs, args.pairs)
+    # TRL reads the config again from the path: every trainer gets a plain transformers folder
+    args.model = privact.model_source(args.model)
+    args.pairs = os.path.join(tmp, "pairs_refiner.jsonl")
+    rows = make_pairs(args.data, args.groups, args.pairs)
+    tokens, groups = row_tokens(args, rows)
+    trainers = args.trainers.split(",")
     try:
         import trl  # noqa: F401
-
-        trainers = ["privact", "trl"]
     except ImportError:
         print("TRL is not installed (pip install trl): measuring privact alone")
-        trainers = ["privact"]
+        trainers = [name for name in trainers if name != "trl"]
+    ceiling = forward_ceiling(args.model)
+    print(f"{len(rows)} pairs in {groups} groups; one forward of [1, 2048]: {ceiling:.0f} tokens/s", flush=True)
     results = {}
     for name in trainers:
-        cmd = (
-            [sys.executable, __file__, "--child", name] + sys.argv[1:] + ["--pairs", args.pairs, "--model", args.model]
-        )
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        command = [sys.executable, __file__, "--child", name, *sys.argv[1:], "--pairs", args.pairs]
+        command += ["--model", args.model]
+        # each child in the environment its users have: nothing of this process's settings
+        proc = subprocess.run(command, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         if proc.returncode or not line:
             sys.exit(f"{name} run failed:\n{proc.stderr[-3000:]}")
-        results[name] = json.loads(line[len("RESULT ") :])
-        r = results[name]
+        result = json.loads(line[len("RESULT ") :])
+        processed = 5 * tokens[name] * args.epochs / result["seconds"]
+        result["row_tokens_per_epoch"] = tokens[name]
+        result["share_of_ceiling"] = round(processed / ceiling, 3)
+        results[name] = result
         print(
-            f"{name:>8}: {r['pairs']} pairs in {r['seconds']} s = {r['pairs_per_s']} pairs/s, "
-            f"peak RSS {r['peak_rss_mb']} MB",
+            f"{name:>16}: {result['pairs']} pairs in {result['seconds']} s = {result['pairs_per_s']} pairs/s, "
+            f"peak RSS {result['peak_rss_mb']} MB, {tokens[name]} row tokens an epoch, "
+            f"{result['share_of_ceiling']:.0%} of the CPU's forward rate",
             flush=True,
         )
-    summary = {"bench": "train", "args": vars(args), "cpu": cpu_name(), **results}
+    summary = {"bench": "train", "args": vars(args), "cpu": cpu_name(), "pairs": len(rows), "groups": groups}
+    summary.update(ceiling_tokens_per_s=round(ceiling), **results)
     summary["versions"] = privact.provenance()["versions"]
-    if "trl" in results:
-        summary["speedup_pairs_per_s"] = round(results["privact"]["pairs_per_s"] / results["trl"]["pairs_per_s"], 2)
-        summary["memory_ratio"] = round(results["privact"]["peak_rss_mb"] / results["trl"]["peak_rss_mb"], 2)
-        print(f"privact vs TRL: {summary['speedup_pairs_per_s']}x pairs/s, {summary['memory_ratio']}x peak memory")
+    ratios = {}
+    for a, b in (("privact", "privact-per-pair"), ("privact", "trl"), ("privact-per-pair", "trl")):
+        if a in results and b in results:
+            speed = results[a]["pairs_per_s"] / results[b]["pairs_per_s"]
+            memory = results[a]["peak_rss_mb"] / results[b]["peak_rss_mb"]
+            ratios[f"{a} vs {b}"] = {"speed": round(speed, 2), "memory": round(memory, 2)}
+            print(f"{a} vs {b}: {speed:.2f}x pairs/s, {memory:.2f}x peak memory")
+    summary["ratios"] = ratios
     print(json.dumps(summary))
 
 
