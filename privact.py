@@ -62,6 +62,7 @@ if __name__ == "__main__":
     # the environment wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import huggingface_hub
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
@@ -1250,9 +1251,8 @@ def model_source(name):
 def load_tokenizer(name):
     """The tokenizer of a short name (smollm2: embedded), a hub id or a folder, with a chat template."""
     source = model_source(name)
-    # a hub id is org/name or a bare name: a path that is not there is neither
-    if not os.path.isdir(source) and (source.count("/") > 1 or source.startswith(("/", ".", "~"))):
-        raise UsageError(f"model {name!r}: no such folder, and not a hub id (org/name) either")
+    if not os.path.isdir(source):
+        check_hub_id(name)
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
@@ -1261,6 +1261,30 @@ def load_tokenizer(name):
         raise UsageError(f"model {name!r}: its tokenizer has no chat template")
     tok.pad_token = tok.pad_token or tok.eos_token
     return tok
+
+
+def check_hub_id(name):
+    """A model name that is no folder, checked as a hub id before anything downloads, in one line each: a path (it
+    starts with /, . or ~, holds two / or more, or starts in a folder that is here) is no such folder; a hub that has
+    no such model, or cannot be reached (where the hub client would retry for a minute). With $HF_HUB_OFFLINE the
+    cache alone is read, and nothing is asked."""
+    first = name.split("/")[0]
+    in_a_folder = "/" in name and os.path.isdir(first)
+    if name.count("/") > 1 or name.startswith(("/", ".", "~")) or in_a_folder:
+        raise UsageError(f"model {name!r}: no such folder, and not a hub id (org/name) either")
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=10)
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        message = f"model {name!r}: no such folder, and no such model on the hub (a private one: hf auth login)"
+        raise UsageError(message) from None
+    except Exception as e:  # no network, a proxy, a timeout
+        cause = first_line(e)
+        raise UsageError(
+            f"model {name!r}: no such folder, and the hub cannot be reached ({cause}); a model in the cache "
+            "loads with HF_HUB_OFFLINE=1"
+        ) from None
 
 
 def load_model(name, dtype=torch.float32, device=None, tok=None):
@@ -1991,6 +2015,8 @@ class TrainRun:
 def start_training(cfg):
     """The pairs checked and packed, the accelerator (accelerate launch's --mixed_precision wins over the flag),
     and where an earlier run of this command stopped (<out>.state/step-<k>)."""
+    if not cfg.pairs:
+        raise UsageError("--pairs: required: the pairs_<role>.jsonl that collect or pairs wrote")
     role, pairs = load_pairs(cfg.pairs)
     out = cfg.out or os.path.join(os.path.dirname(cfg.pairs), role)
     if os.path.exists(out):

@@ -727,29 +727,29 @@ def test_release_judge_leaves_give_the_release_judgments():
         assert judgment["judge_outputs"] == [*record["leak_judge_outputs"], record["helpfulness_judge_output"]]
 
 
-def test_release_renders_the_judge_chat_as_the_release_did(real_backbones, tiny_model, monkeypatch):
+def test_release_renders_the_judge_chat_as_the_release_did(real_backbones):
     """The release renders a judge chat with apply_chat_template(tokenize=False), no generation prompt, and hands the
     string to vLLM, which tokenizes it with special tokens: Mistral-7B-Instruct-v0.2 (the paper's judge) and
-    Llama-3.1 read two BOS tokens. privact's judge reads exactly those ids; its agents read one BOS."""
-    from transformers import AutoTokenizer
-
-    seen = []
-    monkeypatch.setattr(privact, "prefill", lambda model, prompts, *a: seen.extend(prompts) or 1 / 0)
+    Llama-3.1 read two BOS tokens. The ids privact's judge model reads (its first forward, then the prompt's last
+    token in generate's first step) are exactly those; its agents read one BOS."""
     chat = [{"role": "user", "content": "Judge whether the following action leaks the secret."}]
-    model, _ = privact.load_model(tiny_model)
+    cfg = privact.CollectConfig(batch_size=4, judge_max_new_tokens=1)
     for name in ("Mistral-7B-Instruct-v0.2", "Llama-3.1-8B-Instruct"):
-        tok = AutoTokenizer.from_pretrained(real_backbones[name])
-        tok.pad_token = tok.pad_token or tok.eos_token
+        model, tok = real_backbone_model(real_backbones[name], name)
         releases = tok(tok.apply_chat_template(chat, tokenize=False, date_string=privact.CHAT_DATE))["input_ids"]
-        cfg = privact.CollectConfig(batch_size=4)
+        reads = []
+
+        def record(module, args, kwargs, reads=reads):
+            reads.append(kwargs["input_ids"][0].tolist())
+
+        model.register_forward_pre_hook(record, with_kwargs=True)
         for as_release, bos_count in ((True, 2), (False, 1)):
-            seen.clear()
-            with pytest.raises(ZeroDivisionError):
-                if as_release:
-                    privact.judge({"judge": (model, tok)}, cfg, [chat], "leak")
-                else:
-                    privact.generate(model, tok, [chat], privact.Decoding(), cfg)
-            (ids,) = seen
+            reads.clear()
+            if as_release:
+                privact.judge({"judge": (model, tok)}, cfg, [chat], "leak")
+            else:
+                privact.generate(model, tok, [chat], privact.Decoding(max_new_tokens=1), cfg)
+            ids = reads[0] + reads[1]
             assert ids[:bos_count] == [tok.bos_token_id] * bos_count and ids[bos_count] != tok.bos_token_id
             assert ids == releases or not as_release
 
@@ -1725,6 +1725,35 @@ def test_a_served_judge_gets_the_chats_rendered_as_the_release_did(tmp_path, dat
     assert json.loads((run / "summary.json").read_text())["counts"]["judge_tokens"] == 5 * len(seen)
 
 
+def test_a_rerun_against_the_judge_on_another_address_resumes(tmp_path, data_file, tiny_model, monkeypatch, capsys):
+    """A served judge that fails during the second chunk ends the collect in one line, the first chunk kept. Rerun
+    against the judge on another address (--judge-url shapes no verdict), the collect judges the second chunk there
+    and redoes nothing; the run's config.json keeps the flags it started with."""
+    calls = rolled_out(monkeypatch)
+
+    def dies_in_the_second_chunk(body):
+        return (500, {"error": "gone"}) if len(calls) > 1 else (200, ANSWER)
+
+    first_url, _, first = recording_server(dies_in_the_second_chunk)
+    run = tmp_path / "run"
+    args = collect_args(data_file, run, tiny_model, "--chunk-cases", "1", "--judge-model", tiny_model)
+    try:
+        assert run_cli(*args, "--judge-url", first_url) == 2
+    finally:
+        first.shutdown()
+    assert "finished chunks are kept: rerun to resume" in capsys.readouterr().err
+    assert len(list((run / "rollouts").glob("*.json"))) == 1
+    second_url, seen, second = recording_server(lambda body: (200, ANSWER))
+    try:
+        assert run_cli(*args, "--judge-url", second_url) == 0
+    finally:
+        second.shutdown()
+    names = case_names(run)
+    assert calls == [names[:1], names[1:], names[1:]] and seen
+    assert json.loads((run / "config.json").read_text())["judge_url"] == first_url
+    assert len(list((run / "rollouts").glob("*.json"))) == 2
+
+
 def test_a_served_judges_key_goes_in_its_header_only(tmp_path, data_file, tiny_model, monkeypatch, capfd):
     """$OPENAI_API_KEY goes as 'Authorization: Bearer' with each request, and nowhere else: not under --out, not on
     stdout or stderr, not in the one-line error of a 404 whose body echoes it."""
@@ -1878,6 +1907,33 @@ def test_bad_models_and_judge_urls_fail_at_once_and_leave_no_folder(
     assert run_cli(*collect_args(data_file, blocked / "run", tiny_model)) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert f"{blocked / 'run' / 'rollouts'}: cannot write there" in err and not loaded
+
+
+def test_a_model_flag_naming_no_folder_is_one_line_before_any_download(
+    tmp_path, data_file, tiny_model, capsys, monkeypatch
+):
+    """eval's --generator, --verifier and --refiner: a path that is not there (runs/ is here, so runs/does_not_exist is
+    a path) says "no such folder" at once; a hub id while the hub cannot be reached is one line in seconds, where the
+    hub client would retry for a minute. train without --pairs names the flag."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    out = tmp_path / "eval"
+    for flag in ("--generator", "--verifier", "--refiner"):
+        for name, message in (
+            ("runs/does_not_exist", "no such folder, and not a hub id (org/name) either"),
+            ("someorg/no-such-model", "no such folder, and the hub cannot be reached"),
+        ):
+            start = time.time()
+            assert run_cli(*eval_args(data_file, out, tiny_model, flag, name)) == 2
+            (err,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+            assert f"model {name!r}: {message}" in err and time.time() - start < 15, err
+            assert not out.exists()
+    assert run_cli("train", "--model", tiny_model) == 2
+    assert "error: --pairs: required" in capsys.readouterr().err
 
 
 def test_a_resume_refuses_changed_flags_and_keeps_the_run(tmp_path, data_file, tiny_model, capsys):
@@ -2195,30 +2251,26 @@ def test_train_reports_to_tensorboard_every_step(tmp_path, tiny_model, capsys):
         assert f"--report-to {missing}" in capsys.readouterr().err
 
 
-def test_gradient_checkpointing_recomputes_each_layer_in_the_backward(tmp_path, tiny_model, monkeypatch):
+def test_gradient_checkpointing_takes_the_same_steps(tmp_path, tiny_model):
     """--gradient-checkpointing (the default) recomputes each layer in the backward pass instead of keeping its
-    activations: per micro-batch every MLP runs three times (its reference log-probs, the policy, the
-    recomputation); with --no-gradient-checkpointing twice."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
-
+    activations, under the packed rows' own mask and positions: two steps with and without it reach the same weights
+    (float32 rounding), and the checkpoint's flags say which ran."""
     pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 2)
-    real_forward = LlamaMLP.forward
-    calls = []
-
-    def counted(self, x):
-        calls.append(1)
-        return real_forward(self, x)
-
-    monkeypatch.setattr(LlamaMLP, "forward", counted)
-    runs = {}
+    write_pairs(pairs, "verifier", 4, per_prompt=2)
+    weights = []
     for flag in ("--gradient-checkpointing", "--no-gradient-checkpointing"):
-        calls.clear()
-        args = train_args(pairs, tmp_path / flag, tiny_model, "--max-steps", "1", "--grad-accum", "1", flag)
-        assert run_cli(*args) == 0
-        runs[flag] = len(calls)
-    assert runs["--no-gradient-checkpointing"] > 0
-    assert 2 * runs["--gradient-checkpointing"] == 3 * runs["--no-gradient-checkpointing"]
+        out = tmp_path / flag
+        assert (
+            run_cli(*train_args(pairs, out, tiny_model, "--max-steps", "2", "--grad-accum", "1", "--lr", "1e-3", flag))
+            == 0
+        )
+        assert json.loads((out / "train_metrics.json").read_text())["flags"]["gradient_checkpointing"] == (
+            flag == "--gradient-checkpointing"
+        )
+        weights.append(saved_weights(out))
+    start = saved_weights(tiny_model)
+    assert max((weights[0][k] - weights[1][k]).abs().max().item() for k in start) <= 1e-6
+    assert any(not torch.equal(weights[0][k], start[k]) for k in start)
 
 
 def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
@@ -3191,6 +3243,47 @@ def test_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path, smoll
     assert "step 2: loss" in printed
 
 
+def test_trl_recipe_renders_each_prompt_as_privact_does(real_backbones, tmp_path):
+    """benchmarks/trl_dpo.py hands TRL each prompt as privact renders it: Llama-3.2's template prints privact's chat
+    date, not today's; Mistral-7B-Instruct-v0.2's, which refuses a system role, reads the system line folded into the
+    first user message. TRL's own chat-template step renders both to privact's text."""
+    trl_data = pytest.importorskip("trl.data_utils", reason="pip install trl")
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(HERE / "benchmarks"))
+    import trl_dpo
+
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 2)
+    for name in ("Llama-3.2-1B-Instruct", "Mistral-7B-Instruct-v0.2"):
+        tok = AutoTokenizer.from_pretrained(real_backbones[name])
+        dataset = trl_dpo.as_privact_renders(trl_dpo.conversational(str(pairs)), tok)
+        for row, pair in zip(dataset, read_jsonl(pairs), strict=True):
+            rendered = trl_data.maybe_apply_chat_template(row, tok)["prompt"]
+            assert rendered == privact.chat_text(tok, pair["prompt"])
+    assert "Today Date: 26 Jul 2024" in privact.chat_text(
+        AutoTokenizer.from_pretrained(real_backbones["Llama-3.2-1B-Instruct"]), read_jsonl(pairs)[0]["prompt"]
+    )
+
+
+@pytest.mark.slow
+def test_trl_recipe_trains_on_the_mistral_template_for_the_roles_epochs(real_backbones, tmp_path):
+    """trl_dpo.py end to end on a random model over Mistral-7B-Instruct-v0.2's vocabulary and chat template (the
+    release's policy model, whose template refuses a system role): it trains verifier pairs for the verifier's 12
+    epochs, its first step at log 2."""
+    pytest.importorskip("trl")
+    model, tok = real_backbone_model(real_backbones["Mistral-7B-Instruct-v0.2"], "Mistral-7B-Instruct-v0.2")
+    folder = tmp_path / "mistral"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    pairs = tmp_path / "pairs_verifier.jsonl"
+    write_pairs(pairs, "verifier", 2)
+    settings = ("--batch-size", "2", "--grad-accum", "1", "--warmup-ratio", "0")
+    result, _ = run_bench("trl_dpo.py", "--pairs", pairs, "--model", folder, "--out", tmp_path / "trl", *settings)
+    assert result["role"] == "verifier" and result["epochs"] == 12 and len(result["steps"]) == 12
+    assert result["steps"][0]["loss"] == pytest.approx(math.log(2), abs=1e-4)
+
+
 @pytest.mark.slow
 def test_bench_judge_serves_the_same_verdicts(tmp_path):
     """bench_judge.py: the judge in process and through a real `transformers serve` (with and without continuous
@@ -3222,28 +3315,6 @@ def project_copy(folder):
         shutil.copy(HERE / name, folder)
     shutil.copytree(HERE / "data", folder / "data")
     return python_on_path(folder)
-
-
-def test_python_on_path_keeps_a_venv_interpreter(tmp_path):
-    """A venv holding a module of its own, and seeing this interpreter's packages through a .pth file: `python` on the
-    quick start's PATH imports torch and that module; a symlink to the venv's interpreter finds neither."""
-    import site as running
-
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(site, "only_in_this_venv.py").write_text("")
-    Path(site, "tests_interpreter.pth").write_text("\n".join(running.getsitepackages()) + "\n")
-    probe = ["python", "-c", "import sys, only_in_this_venv, torch; print(sys.prefix)"]
-    done = subprocess.run(
-        probe, env=python_on_path(tmp_path / "shim", venv / "bin" / "python"), capture_output=True, text=True
-    )
-    assert done.returncode == 0 and done.stdout.strip() == str(venv), done.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -18,6 +18,11 @@ arm and condition, then one JSON line.
 
     python benchmarks/bench_shared_cpu.py                # about 25 minutes on 2 cores
     python benchmarks/bench_shared_cpu.py --tiny         # a tiny random model, seconds (the tests run it)
+    python benchmarks/bench_shared_cpu.py --arms spinning,passive --repeats 5 --burners 0
+                                                         # the quiet cost of PASSIVE: 5 runs of each, interleaved
+
+With --repeats N every quiet arm runs N times, round by round (each round every arm once, in turn), and the table
+shows the mean; --burners 0 skips the loaded runs.
 """
 
 import dataclasses
@@ -100,49 +105,81 @@ def burners(count):
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def main():
-    ap = common.parser(__doc__, model="smollm2", max_new_tokens=32)
-    ap.add_argument("--burners", type=int, default=os.cpu_count(), help="busy processes beside the loaded runs")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model and 4-token outputs: seconds")
-    ap.add_argument("--limit", type=float, default=6.0, help="a loaded arm stops after this many times its quiet time")
-    args = ap.parse_args()
-    tmp = tempfile.mkdtemp()
-    if args.tiny:
-        args.model = common.tiny_model(os.path.join(tmp, "tiny"))
-        args.max_new_tokens = 4
-    privact.load_model(args.model)  # the embedded model's one-time conversion, outside every clock
-    seconds = {"quiet": {}, "loaded": {}}
+def measure(args, arms, tmp):
+    """{condition: {arm: [seconds of each run, None where stopped]}}: the quiet runs, --repeats rounds of every arm
+    in turn, then one loaded run of each beside --burners busy processes."""
+    runs = {"quiet": {arm: [] for arm in arms}, "loaded": {arm: [] for arm in arms}}
+    rounds = {"quiet": args.repeats, "loaded": 1 if args.burners else 0}
     first = None
-    for condition in seconds:
+    for condition, count in rounds.items():
         busy = burners(args.burners) if condition == "loaded" else []
         try:
-            for n, arm in enumerate(ARMS):
+            for n, arm in [(n, arm) for _ in range(count) for n, arm in enumerate(arms)]:
                 out = os.path.join(tmp, f"{condition}-{arm}")
+                shutil.rmtree(out, ignore_errors=True)
                 limit = None
                 if condition == "loaded":
-                    limit = args.limit * seconds["quiet"][arm]
+                    quiet = runs["quiet"][arm]
+                    limit = args.limit * sum(quiet) / len(quiet)
                 arm_seconds, records = run_arm(args, arm, out, 29600 + n, limit)
                 if arm_seconds is None:
-                    seconds[condition][arm] = None
+                    runs[condition][arm].append(None)
                     print(f"{condition:>6} {arm:>13}: stopped after {limit:.1f} s", flush=True)
                     continue
                 first = first or records
                 if records != first:
                     sys.exit(f"{condition} {arm}: other records than the first arm's")
-                seconds[condition][arm] = round(arm_seconds, 1)
+                runs[condition][arm].append(round(arm_seconds, 1))
                 print(f"{condition:>6} {arm:>13}: {arm_seconds:7.1f} s", flush=True)
         finally:
             for proc in busy:
                 proc.kill()
+    return runs
+
+
+def mean_seconds(runs):
+    """{condition: {arm: the mean of its runs, None where one was stopped}}, for the arms that ran."""
+    seconds = {}
+    for condition, arm_runs in runs.items():
+        seconds[condition] = {}
+        for arm, values in arm_runs.items():
+            if values and None not in values:
+                seconds[condition][arm] = round(sum(values) / len(values), 1)
+            elif values:
+                seconds[condition][arm] = None
+    return seconds
+
+
+def main():
+    ap = common.parser(__doc__, model="smollm2", max_new_tokens=32)
+    ap.add_argument("--burners", type=int, default=os.cpu_count(), help="busy processes beside the loaded runs")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model and 4-token outputs: seconds")
+    ap.add_argument("--limit", type=float, default=6.0, help="a loaded arm stops after this many times its quiet time")
+    ap.add_argument("--repeats", type=int, default=1, help="quiet runs of every arm, interleaved round by round")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"the arms to run, comma separated, of {','.join(ARMS)}")
+    args = ap.parse_args()
+    arms = args.arms.split(",")
+    if not set(arms) <= set(ARMS):
+        ap.error(f"--arms {args.arms}: choose from {','.join(ARMS)}")
+    tmp = tempfile.mkdtemp()
+    if args.tiny:
+        args.model = common.tiny_model(os.path.join(tmp, "tiny"))
+        args.max_new_tokens = 4
+    privact.load_model(args.model)  # the embedded model's one-time conversion, outside every clock
+    runs = measure(args, arms, tmp)
+    seconds = mean_seconds(runs)
     shutil.rmtree(tmp)
     print(f"\n{'arm':>13} {'quiet s':>9} {'loaded s':>9} {'loaded / quiet':>15}")
-    for arm in ARMS:
-        quiet, loaded = seconds["quiet"][arm], seconds["loaded"][arm]
-        if loaded is None:
+    for arm in arms:
+        quiet = seconds["quiet"][arm]
+        if arm not in seconds["loaded"]:
+            print(f"{arm:>13} {quiet:9.1f}")
+        elif seconds["loaded"][arm] is None:
             print(f"{arm:>13} {quiet:9.1f} {'stopped':>9} {'>' + str(args.limit):>14}x")
         else:
+            loaded = seconds["loaded"][arm]
             print(f"{arm:>13} {quiet:9.1f} {loaded:9.1f} {loaded / quiet:14.1f}x")
-    summary = {"bench": "shared_cpu", "args": vars(args), "cpu": cpu_name(), "seconds": seconds}
+    summary = {"bench": "shared_cpu", "args": vars(args), "cpu": cpu_name(), "seconds": seconds, "runs": runs}
     print(json.dumps({**summary, "versions": privact.provenance()["versions"]}))
 
 
