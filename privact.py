@@ -55,13 +55,6 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Literal, NamedTuple, get_args
 
-if __name__ == "__main__":
-    # The command line only (importing privact leaves the importer's process alone): OpenMP threads that wait for each
-    # other sleep instead of spinning. On a CPU that other processes share, a spinning thread holds a core that the
-    # thread it waits for needs (benchmarks/bench_shared_cpu.py). Set before torch loads OpenMP; a value already in
-    # the environment wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import huggingface_hub
 import torch
 import torch.nn.functional as F

@@ -2166,6 +2166,59 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model):
     assert not (tmp_path / "ckpt.state").exists()
 
 
+LEFT_ALONE = """
+import ctypes, json, os, sys
+
+
+FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in FIELDS.split()]
+
+
+def mapped_bytes():
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = Mallinfo2
+    return libc.mallinfo2().hblkhd
+
+
+before = dict(os.environ)
+import privact, torch
+
+imported = dict(os.environ)
+if sys.argv[1:]:
+    assert privact.main(sys.argv[1:]) == 0
+mapped = mapped_bytes()
+block = torch.ones(6 << 20, dtype=torch.uint8)
+print(json.dumps({"environ_changed": imported != before, "block_mapped": mapped_bytes() - mapped >= 6 << 20}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_importing_privact_and_training_leave_the_process_alone(tmp_path, tiny_model):
+    """`import privact` changes no environment variable of the importer's process (its children would inherit it),
+    and train leaves glibc's allocator at its defaults: after a training, whose freed blocks raised glibc's own mmap
+    threshold, a 6 MB block comes from the heap; under a fixed 4 MB threshold (MALLOC_MMAP_THRESHOLD_, the setting a
+    user may choose) it is mapped apart."""
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 2)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MALLOC_", "OMP_"))}
+    results = []
+    for out, threshold in (("defaults", None), ("fixed", "4194304")):
+        train = [str(arg) for arg in train_args(pairs, tmp_path / out, tiny_model, "--max-steps", "1")]
+        run_env = {**env, "MALLOC_MMAP_THRESHOLD_": threshold} if threshold else env
+        done = subprocess.run(
+            [sys.executable, "-c", LEFT_ALONE, *train], capture_output=True, text=True, env=run_env, cwd=HERE
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert results == [
+        {"environ_changed": False, "block_mapped": False},
+        {"environ_changed": False, "block_mapped": True},
+    ]
+
+
 def test_a_schedule_with_no_learning_rate_is_said_before_training(tmp_path, tiny_model, capsys):
     """--max-steps 1 with the default --warmup-ratio 0.1: ceil(0.1 x 1) = 1 warmup step, so the only step runs at lr
     0 and no weight moves: train says so before it starts. --warmup-ratio 0 trains."""

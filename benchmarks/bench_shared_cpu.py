@@ -5,9 +5,9 @@ The same collect (SmolLM2-135M, --num-cases 2 --chunk-cases 1 --branching 1,2,2 
 verdicts) runs four ways, each in fresh processes:
 
 - spinning:       one process, torch's default threads (one per core), OpenMP's default wait policy: a thread
-                  that waits for the others spins on its core for a while first (privact's default until it set
-                  PASSIVE; here torch loads OpenMP before privact.py runs, so privact's setting does not reach it);
-- passive:        the same with OMP_WAIT_POLICY=PASSIVE, privact's default: a waiting thread sleeps at once;
+                  that waits for the others spins on its core for a while first (privact's default: it sets no
+                  wait policy);
+- passive:        the same with OMP_WAIT_POLICY=PASSIVE in the environment: a waiting thread sleeps at once;
 - one-thread:     one process, OMP_NUM_THREADS=1;
 - two-processes:  ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2, OMP_NUM_THREADS=1 in each: the chunks shared
                   between two 1-thread processes.
@@ -45,16 +45,10 @@ PRIVACT = os.path.join(HERE, "..", "privact.py")
 # arm -> (environment variables set, processes)
 ARMS = {
     "spinning": ({}, 1),
-    "passive": ({}, 1),
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, 1),
     "one-thread": ({"OMP_NUM_THREADS": "1"}, 1),
     "two-processes": ({"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}, 2),
 }
-
-# privact.py run after torch has loaded OpenMP: OpenMP's default wait policy, whatever privact.py sets
-TORCH_FIRST = (
-    "import os, runpy, sys, torch; sys.path.insert(0, os.path.dirname(sys.argv[1])); sys.argv = sys.argv[1:]; "
-)
-TORCH_FIRST += "runpy.run_path(sys.argv[0], run_name='__main__')"
 
 
 def collect_command(args, arm, out, port):
@@ -63,8 +57,6 @@ def collect_command(args, arm, out, port):
     flags += ["--branching", "1,2,2", "--max-new-tokens", str(args.max_new_tokens), "--judge-verdict", "forced"]
     flags += ["--judge-max-new-tokens", str(args.max_new_tokens), "--dtype", "float32"]
     processes = ARMS[arm][1]
-    if arm == "spinning":
-        return [sys.executable, "-c", TORCH_FIRST, PRIVACT, *flags]
     if processes == 1:
         return [sys.executable, PRIVACT, *flags]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
