@@ -69,8 +69,9 @@ def serving_available():
         sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
 
 
-def tiny_model(folder, layers=2, hidden=32, seed=0):
-    """A tiny random Llama with a byte-level tokenizer and a ChatML template, saved to `folder` -> folder."""
+def tiny_model(folder, layers=2, hidden=32, seed=0, init=0.02):
+    """A tiny random Llama with a byte-level tokenizer and a ChatML template, its weights of std `init`, saved to
+    `folder` -> folder."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -96,6 +97,7 @@ def tiny_model(folder, layers=2, hidden=32, seed=0):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=8192,
+        initializer_range=init,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
