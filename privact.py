@@ -707,40 +707,40 @@ def collate_groups(groups, pad_id):
     own tokens, as indices into the batch's G x T positions (row g's position t is g T + t); labels the tokens there,
     -100 at the prompt's last token, which only predicts the response's first. chosen and rejected index the batch's
     responses, one entry per pair. -> input_ids, position_ids [G, T]; attention_mask bool [G, 1, T, T]; response_at,
-    labels [N, R + 1] (N responses, R the longest); chosen, rejected [pairs]. Padding holds pad_id and position 0, and
-    a padded position attends causally and is never read."""
+    labels [N, R + 1] (N responses, R the longest); chosen, rejected [pairs]. Padding holds pad_id and its own index as
+    its position; a padded position attends causally and is never read."""
     rows = []
-    # (row, its first token, one past its last) of every response
-    spans = []
+    # (row, where it starts, its tokens) of every response, in order
+    responses = []
     chosen = []
     rejected = []
-    for group in groups:
-        start = len(group.prompt)
-        row = {"input_ids": list(group.prompt), "position_ids": list(range(start))}
+    for row, group in enumerate(groups):
         for first, second in group.pairs:
-            chosen.append(len(spans) + first)
-            rejected.append(len(spans) + second)
+            chosen.append(len(responses) + first)
+            rejected.append(len(responses) + second)
+        ids = list(group.prompt)
         for response in group.responses:
-            first = len(row["input_ids"])
-            row["input_ids"] += response
-            row["position_ids"] += range(start, start + len(response))
-            spans.append((len(rows), first, first + len(response)))
-        rows.append(row)
-    input_ids = padded([row["input_ids"] for row in rows], pad_id)
+            responses.append((row, len(ids), response))
+            ids += response
+        rows.append(ids)
+    input_ids = padded(rows, pad_id)
     width = input_ids.shape[1]
+    position_ids = torch.arange(width).repeat(len(rows), 1)
     mask = torch.ones(len(rows), 1, width, width, dtype=torch.bool).tril()
     scored_at = []
     labels = []
-    for row, first, end in spans:
+    for row, first, response in responses:
         start = len(groups[row].prompt)
-        # a response does not see the responses before it in its row
+        end = first + len(response)
+        # a response's positions restart after the prompt, and it does not see the responses before it
+        position_ids[row, first:end] = torch.arange(start, start + len(response))
         mask[row, 0, first:end, start:first] = False
         at = [start - 1, *range(first, end)]
         scored_at.append([row * width + position for position in at])
-        labels.append([-100, *input_ids[row, first:end].tolist()])
+        labels.append([-100, *response])
     return {
         "input_ids": input_ids,
-        "position_ids": padded([row["position_ids"] for row in rows], 0),
+        "position_ids": position_ids,
         "attention_mask": mask,
         "response_at": padded(scored_at, 0),
         "labels": padded(labels, -100),
@@ -816,8 +816,6 @@ def dpo_step(policy, batch, reference, beta):
         "loss": losses,
         "reward_acc": (chosen_rewards > rejected_rewards).float(),
         "reward_margin": chosen_rewards - rejected_rewards,
-        "chosen_reward": chosen_rewards,
-        "rejected_reward": rejected_rewards,
         # the policy's log-probs: what DPO moves
         "logp_chosen": logps[chosen],
         "logp_rejected": logps[rejected],
@@ -875,33 +873,45 @@ def pack_groups(order, pair_counts, batch_size):
     return micro_batches
 
 
-def plan_steps(pair_counts, epochs, progress, cfg, process=0, processes=1):
-    """Every optimizer step a run has left, from `progress` ({"step", "epoch", "groups"}: steps taken, and the epoch's
-    groups done). Each epoch orders the groups from (seed, epoch) alone, packs them into micro-batches of --batch-size
-    pairs (pack_groups) and makes a step of every --grad-accum x `processes` micro-batches (its last step of fewer),
-    so a group's pairs stay in one step; at most --max-steps in all. A process takes every `processes`-th micro-batch
-    of a step; one left short runs the step's first at weight 0, so that every process joins every all-reduce. A
-    resumed run plans from the groups done, so under another --batch-size it still trains each pair once an epoch."""
+def plan_steps(groups, role, progress, cfg, process=0, processes=1):
+    """Every optimizer step a run of `role` has left, from `progress` ({"step", "epoch", "groups"}: steps taken, and
+    the epoch's groups done): --epochs, or the paper's for the role. Each epoch orders the groups from (seed, epoch)
+    alone, packs them into micro-batches of --batch-size pairs (pack_groups) and makes a step of every --grad-accum x
+    `processes` micro-batches (its last step of fewer), so a group's pairs stay in one step; at most --max-steps in
+    all. A resumed run plans from the groups done, so under another --batch-size it still trains each pair once an
+    epoch. -> [Step], each with this process's micro-batches (deal)."""
+    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
+    pair_counts = [len(group.pairs) for group in groups]
     per_step = cfg.grad_accum * processes
     steps = []
     for epoch in range(progress["epoch"], epochs):
         generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
-        order = torch.randperm(len(pair_counts), generator=generator).tolist()
-        done = progress["groups"] if epoch == progress["epoch"] else 0
+        order = torch.randperm(len(groups), generator=generator).tolist()
+        done = 0
+        if epoch == progress["epoch"]:
+            done = progress["groups"]
         micro_batches = pack_groups(order[done:], pair_counts, cfg.batch_size)
         for first in range(0, len(micro_batches), per_step):
             batches = micro_batches[first : first + per_step]
-            groups = [group for batch in batches for group in batch]
-            done += len(groups)
-            pairs = sum(pair_counts[group] for group in groups)
-            mine = [MicroBatch(batch) for batch in batches[process::processes]]
-            rounds = math.ceil(len(batches) / processes)
-            if len(mine) < rounds:
-                mine.append(MicroBatch(batches[0], weight=0.0))
+            pairs = 0
+            for batch in batches:
+                done += len(batch)
+                pairs += sum(pair_counts[group] for group in batch)
+            mine = deal(batches, process, processes)
             steps.append(Step(epoch, done, pairs, mine))
     if cfg.max_steps:
-        return steps[: max(0, cfg.max_steps - progress["step"])]
+        return steps[: cfg.max_steps - progress["step"]]
     return steps
+
+
+def deal(batches, process, processes):
+    """A step's micro-batches (lists of group indices) -> this process's: every `processes`-th from the `process`-th.
+    One left short runs the step's first again at weight 0, so that every process joins every all-reduce."""
+    mine = [MicroBatch(batch) for batch in batches[process::processes]]
+    rounds = math.ceil(len(batches) / processes)
+    if len(mine) < rounds:
+        mine.append(MicroBatch(batches[0], weight=0.0))
+    return mine
 
 
 def reference_logps(policy, groups, steps, pad_id):
@@ -912,7 +922,7 @@ def reference_logps(policy, groups, steps, pad_id):
     padded to another width, moves by up to 0.17 nats on SmolLM2). That is the forward the release's frozen copy runs
     beside the policy at every micro-batch, without holding the copy; nothing is merged across processes."""
     with torch.no_grad():
-        for step in tqdm(steps, "reference log-probs", unit="step", disable=not PartialState().is_main_process):
+        for step in tqdm(steps, "reference log-probs", disable=not PartialState().is_main_process):
             for micro in step.micro_batches:
                 batch = collate_groups([groups[index] for index in micro.groups], pad_id)
                 micro.reference = response_logps(policy, batch)
@@ -925,8 +935,7 @@ def train_dpo(run, policy, optimizer, steps):
     cfg, accelerator = run.cfg, run.accelerator
     done = run.progress["step"]
     total = done + len(steps)
-    rates = [cosine_lr(step, total, cfg) for step in range(total)]
-    if not any(rates):
+    if not any(cosine_lr(step, total, cfg) for step in range(total)):
         accelerator.print(f"warning: no step of {total} gets a learning rate above 0: use --warmup-ratio 0")
     bar = tqdm(steps, "DPO", initial=done, total=total, unit="step", disable=not accelerator.is_main_process)
     for number, step in enumerate(bar, done):
@@ -1153,10 +1162,8 @@ def cmd_train(cfg):
     # float32 master weights; bf16 comes from autocast or DeepSpeed
     policy, tok = load_model(cfg.model, torch.float32, accelerator.device)
     policy, optimizer = prepare_training(run, policy)
-    epochs = cfg.epochs or EPOCHS_BY_ROLE.get(run.role, 4)
-    pair_counts = [len(group.pairs) for group in run.groups]
     process = accelerator.process_index
-    steps = plan_steps(pair_counts, epochs, run.progress, cfg, process, accelerator.num_processes)
+    steps = plan_steps(run.groups, run.role, run.progress, cfg, process, accelerator.num_processes)
     # pi_ref: before the first step (and before a killed run's state loads), the starting model scores every
     # micro-batch the run has left
     reference_logps(policy, run.groups, steps, run.pad_id)
@@ -1259,25 +1266,18 @@ def load_tokenizer(name):
 def check_hub_id(name):
     """A model name that is no folder, checked as a hub id before anything downloads, in one line each: a path (it
     starts with /, . or ~, holds two / or more, or starts in a folder that is here) is no such folder; a hub that has
-    no such model, or cannot be reached (where the hub client would retry for a minute). With $HF_HUB_OFFLINE the
-    cache alone is read, and nothing is asked."""
-    first = name.split("/")[0]
-    in_a_folder = "/" in name and os.path.isdir(first)
+    no such model, or cannot be reached (where the hub client would retry for a minute), says so. With
+    $HF_HUB_OFFLINE=1 the cache alone is read, and nothing is asked."""
+    in_a_folder = os.path.isdir(name.split("/")[0])
     if name.count("/") > 1 or name.startswith(("/", ".", "~")) or in_a_folder:
         raise UsageError(f"model {name!r}: no such folder, and not a hub id (org/name) either")
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return
     try:
         huggingface_hub.HfApi().model_info(name, timeout=10)
-    except huggingface_hub.errors.RepositoryNotFoundError:
-        message = f"model {name!r}: no such folder, and no such model on the hub (a private one: hf auth login)"
-        raise UsageError(message) from None
-    except Exception as e:  # no network, a proxy, a timeout
+    except Exception as e:  # no such model, no network, a proxy, a timeout
         cause = first_line(e)
-        raise UsageError(
-            f"model {name!r}: no such folder, and the hub cannot be reached ({cause}); a model in the cache "
-            "loads with HF_HUB_OFFLINE=1"
-        ) from None
+        raise UsageError(f"model {name!r}: no such folder, and the hub does not serve it ({cause})") from None
 
 
 def load_model(name, dtype=torch.float32, device=None, tok=None):
@@ -2032,6 +2032,7 @@ def start_training(cfg):
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     make_folder(state_folder)
     groups = group_pairs(examples)
+    stats["train/pairs"] = len(examples)
     stats["train/groups"] = len(groups)
     run = TrainRun(cfg, accelerator, out=out, role=role, groups=groups, pad_id=tok.pad_token_id, stats=stats)
     # the last whole state <out>.state/step-<k> a killed run saved
@@ -2075,9 +2076,8 @@ def resume(run, steps):
     if run.resume:
         run.accelerator.load_state(run.resume)
         progress = run.progress
-        total = progress["step"] + len(steps)
-        where = f"epoch {progress['epoch']}, {progress['groups']} of its {len(run.groups)} groups done"
-        run.accelerator.print(f"resuming from step {progress['step']} of {total} ({where})")
+        done = f"step {progress['step']} (epoch {progress['epoch']}, {progress['groups']} groups done)"
+        run.accelerator.print(f"resuming after {done}: {len(steps)} steps left")
 
 
 def make_optimizer(policy, plugin):
@@ -2101,9 +2101,9 @@ def log_step(run, step, lr, grad_norm, sums):
     progress["pairs"] += step.pairs
     progress["seconds"] = time.time() - run.started
     row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
+    pairs = sums.pop("pairs")
     for key, total in sums.items():
-        if key != "pairs":
-            row[f"train/{key}"] = total / sums["pairs"]
+        row[f"train/{key}"] = total / pairs
     if grad_norm is not None:
         row["train/grad_norm"] = float(grad_norm)
     row["train/pairs_per_s"] = progress["pairs"] / progress["seconds"]
@@ -2138,8 +2138,7 @@ def save_checkpoint(run, policy, tok):
     for tracker in accelerator.trackers:
         tracker.finish()
     state = accelerator.get_state_dict(policy)
-    pairs = sum(len(group.pairs) for group in run.groups)
-    metrics = {"role": run.role, "train/pairs": pairs, **run.stats, **run.progress, "flags": run.flags}
+    metrics = {"role": run.role, **run.stats, **run.progress, "flags": run.flags}
     partial = run.out + ".partial"
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(partial, state_dict=state)

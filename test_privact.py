@@ -964,13 +964,13 @@ def test_packed_row_of_the_worked_example():
     """collate_groups' docstring example, prompt [p0 p1], responses a = [a0], b = [b0 b1], c = [c0], pairs (a, b) and
     (c, b), beside a longer group that pads it: positions restart for every response, which sees the prompt and
     itself only; each response is scored from the prompt's last token; the indices point into the flattened rows;
-    padding holds pad_id, position 0 and label -100."""
+    padding holds pad_id and its own index as its position, and scores nothing (label -100)."""
     p0, p1, a0, b0, b1, c0, pad = 10, 11, 12, 13, 14, 15, 0
     first = privact.Group([p0, p1], [[a0], [b0, b1], [c0]], [(0, 1), (2, 1)])
     second = privact.Group([p0, p1, p0], [[c0, c0], [b0, b1]], [(1, 0)])
     batch = privact.collate_groups([first, second], pad)
     assert batch["input_ids"].tolist() == [[p0, p1, a0, b0, b1, c0, pad], [p0, p1, p0, c0, c0, b0, b1]]
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 2, 0], [0, 1, 2, 3, 4, 3, 4]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 2, 6], [0, 1, 2, 3, 4, 3, 4]]
     width = 7  # row 1's position t is 7 + t
     assert batch["response_at"].tolist() == [[1, 2, 0], [1, 3, 4], [1, 5, 0], [9, 10, 11], [9, 12, 13]]
     assert batch["labels"].tolist() == [
@@ -1073,9 +1073,11 @@ def test_plan_packs_whole_groups_into_steps_and_resumes_by_groups_done():
     counts = [3, 1, 4, 2, 1]
     start = {"step": 0, "epoch": 0, "groups": 0}
 
+    groups = [privact.Group([g], [], [(0, 1)] * count) for g, count in enumerate(counts)]
+
     def plan(epochs, progress=start, process=0, processes=1, **flags):
-        cfg = privact.TrainConfig(**{"batch_size": 4, "grad_accum": 2, **flags})
-        steps = privact.plan_steps(counts, epochs, progress, cfg, process, processes)
+        cfg = privact.TrainConfig(**{"batch_size": 4, "grad_accum": 2, "epochs": epochs, **flags})
+        steps = privact.plan_steps(groups, "refiner", progress, cfg, process, processes)
         return [(s.epoch, s.groups_done, s.pairs, [(m.groups, m.weight) for m in s.micro_batches]) for s in steps]
 
     assert plan(2) == [
@@ -1094,6 +1096,7 @@ def test_plan_packs_whole_groups_into_steps_and_resumes_by_groups_done():
     assert plan(1, process=0, processes=2, grad_accum=1) == [(0, 4, 7, [([4, 0], 1.0)]), (0, 5, 4, [([2], 1.0)])]
     assert plan(1, process=1, processes=2, grad_accum=1) == [(0, 4, 7, [([1, 3], 1.0)]), (0, 5, 4, [([2], 0.0)])]
     assert len(plan(2, {"step": 1, "epoch": 0, "groups": 4}, max_steps=3)) == 2
+    assert sorted({epoch for epoch, *_ in plan(0)}) == [0, 1, 2, 3]  # --epochs 0: the refiner's 4, the paper's
 
 
 def test_cosine_lr_hand_values():
@@ -1925,7 +1928,7 @@ def test_a_model_flag_naming_no_folder_is_one_line_before_any_download(
     for flag in ("--generator", "--verifier", "--refiner"):
         for name, message in (
             ("runs/does_not_exist", "no such folder, and not a hub id (org/name) either"),
-            ("someorg/no-such-model", "no such folder, and the hub cannot be reached"),
+            ("someorg/no-such-model", "no such folder, and the hub does not serve it ("),
         ):
             start = time.time()
             assert run_cli(*eval_args(data_file, out, tiny_model, flag, name)) == 2
@@ -2571,7 +2574,7 @@ def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, 
         privact, "dpo_step", lambda policy, batch, *a: seen.extend(chosen_of(batch)) or real_step(policy, batch, *a)
     )
     assert run_cli(*args, "--batch-size", "2", "--grad-accum", "2") == 0
-    assert "resuming from step 2 of 6 (epoch 0, 4 of its 5 groups done)" in capsys.readouterr().out
+    assert "resuming after step 2 (epoch 0, 4 groups done): 4 steps left" in capsys.readouterr().out
     assert each_pair_once_an_epoch(seen, 10, 2), seen
     metrics = json.loads((tmp_path / "v" / "train_metrics.json").read_text())
     assert metrics["pairs"] == 20 and [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
@@ -2620,7 +2623,7 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     assert changed.returncode != 0 and "had beta=0.4, not 0.3" in changed.stderr  # accelerate launch exits 1 for our 2
     again = subprocess.run(command(resumed), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming from step" in again.stdout + again.stderr
+    assert "resuming after step" in again.stdout + again.stderr
     metrics = json.loads((resumed / "train_metrics.json").read_text())
     assert metrics["step"] == 24 and len(metrics["history"]) == 24
     a, b = saved_weights(whole), saved_weights(resumed)

@@ -27,10 +27,25 @@ paired helpfulness difference has its interval reaching zero or above (the rule'
 action that leaks nothing must not win). What it shows: that the loop moves the chain towards what its judge
 rewards. It is not the paper's result: the judge is a rule, not Mistral-7B judging privacy.
 
-    python benchmarks/bench_learning.py --out runs/learning     # SmolLM2, real cases: SMOLLM2_TIME on 2 CPU cores
-    python benchmarks/bench_learning.py --tiny                  # the tiny model: about a minute
+    python benchmarks/bench_learning.py --out runs/learning     # SmolLM2 on real cases (its time: the README)
+    python benchmarks/bench_learning.py --tiny                  # the tiny model on synthetic cases
 
-The default design, chosen before its run from a power estimate (POWER_ESTIMATE).
+The default design was chosen before its run, from a pilot on train cases the run never collects on (train cases
+25-84, 2 chains each, seed 1; the test split untouched) and this power estimate:
+
+- base leak rate: 0.067 [0.025, 0.117] over the pilot's 60 cases (SmolLM2 at 96 tokens, T 0.7; 56% of its actions
+  call no tool of the case); an earlier run on 30 test cases read 0.18;
+- pairs per case at branching 1,4,4: tau 0 gives 5.8 (1.6 verifier, 4.2 refiner), tau 0.35 gives 6.9 (1.3, 5.6),
+  tau 0.5 gives 1.8 (0.1, 1.7); tau 0.35 trains the most pairs;
+- the effect two epochs over 24 cases' pairs (lr 2e-5, 8 pairs a step) gave on the pilot's cases: leak 0.067 ->
+  0.050, helpfulness 0.164 -> 0.297, actions calling no tool 56% -> 8%;
+- test cases x K: the test split's 99 cases x K=2. With a leak rate p near 0.07 on both sides, the paired difference's
+  95% half-width is about 1.96 * sqrt(2 p (1 - p) / (99 x 2)) = 0.05 points of rate.
+
+So the design that fits 2 hours on 2 cores (collect 8 min, DPO 26 min, four evals 13 min each) can tell an effect of
+5 points or more, and the pilot's effect was 1.7. Telling 1.7 points (half-width 0.012) needs about 3,300 chains a
+side: 33 K per test case, at 3.9 s a chain about 3.6 hours per chain on this CPU. The design is run anyway, and its
+table shows what it can and cannot tell.
 """
 
 import argparse
@@ -45,7 +60,7 @@ import tempfile
 import threading
 import time
 
-import common  # noqa: F401  (puts privact.py on the path)
+import common  # also puts privact.py on the path
 import privact
 
 PRIVACT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "privact.py")
@@ -178,27 +193,6 @@ TINY_ACTIONS = ("\nAction: MessengerSendMessage", "\nAction: GmailSendEmail")
 TINY_WORDS = (" Alice!", " condition!", " note!", " task!", " short!", " ok!", " fine!", " soon!")
 
 
-def tiny_word_tokenizer(tokens):
-    """A byte-level tokenizer with `tokens` added whole and a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    core.add_tokens(tokens)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return tok
-
-
 def tiny_agent_model(folder, seed):
     """A one-layer Llama over bytes and the tiny words, its weights set so that an agent writes like one, with random
     weights of std 0.02 (from `seed`) in every other place:
@@ -217,7 +211,7 @@ def tiny_agent_model(folder, seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokens = [*TINY_ACTIONS, *TINY_WORDS]
-    tok = tiny_word_tokenizer(tokens)
+    tok = common.byte_tokenizer(tokens)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tok),
@@ -338,17 +332,18 @@ def summary_of(report):
 PRESETS = {
     "default": {
         "model": "smollm2",
-        "train_cases": 12,
+        "train_cases": 24,
         "branching": "1,4,4",
         "max_new_tokens": 96,
         "temperature": 0.7,
-        "tau": "verifier=0,refiner=0",
+        "tau": "verifier=0.35,refiner=0.35",
         "lr": 2e-5,
-        "epochs": 1,
-        "batch_size": 4,
+        "epochs": 2,
+        "batch_size": 8,
         "grad_accum": 1,
-        "test_cases": 30,
+        "test_cases": 99,
         "k": 2,
+        "dtype": "bfloat16",
     },
     "tiny": {
         "model": "",
@@ -363,6 +358,7 @@ PRESETS = {
         "grad_accum": 1,
         "test_cases": 40,
         "k": 4,
+        "dtype": "float32",
     },
 }
 
@@ -383,7 +379,7 @@ def run_round(args, folder, data, url):
     """collect, DPO for both roles, the four evals -> ({chain: report}, {role: pairs})."""
     judge = ["--judge-url", url, "--judge-model", args.model, "--data", data, "--seed", args.seed]
     sampling = ["--model", args.model, "--max-new-tokens", args.max_new_tokens, "--temperature", args.temperature]
-    sampling += ["--dtype", "float32", *judge]
+    sampling += ["--dtype", args.dtype, *judge]
     run = os.path.join(folder, "collect")
     collect = ["collect", "--out", run, "--num-cases", args.train_cases, "--branching", args.branching]
     privact_run(*collect, "--tau", args.tau, *sampling)
@@ -396,7 +392,8 @@ def run_round(args, folder, data, url):
         train = ["train", "--pairs", pairs, "--model", args.model, "--out", trained[role], "--lr", args.lr]
         train += ["--epochs", args.epochs, "--warmup-ratio", 0, "--batch-size", args.batch_size]
         train += ["--grad-accum", args.grad_accum, "--seed", args.seed, "--save-every", 0]
-        privact_run(*train)
+        # a 135M model's activations fit: no recomputation in the backward pass
+        privact_run(*train, "--no-gradient-checkpointing")
     reports = {}
     for name, roles in CHAINS.items():
         out = os.path.join(folder, f"eval_{name}")
@@ -412,7 +409,7 @@ def run_round(args, folder, data, url):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="the tiny model on synthetic cases: about a minute")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model on synthetic cases")
     ap.add_argument("--out", default="", help="keep the runs in this folder (default: a temporary one)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of collect, train, the evals (and the tiny model)")
     ap.add_argument("--swap-pairs", action="store_true", help="train on every pair with its sides swapped (a check)")

@@ -69,18 +69,17 @@ def serving_available():
         sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
 
 
-def tiny_model(folder, layers=2, hidden=32, seed=0, init=0.02):
-    """A tiny random Llama with a byte-level tokenizer and a ChatML template, its weights of std `init`, saved to
-    `folder` -> folder."""
-    import torch
+def byte_tokenizer(tokens=()):
+    """A byte-level tokenizer (every character a token or a few), `tokens` added whole, with a ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    core.add_tokens(list(tokens))
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
     )
@@ -88,6 +87,16 @@ def tiny_model(folder, layers=2, hidden=32, seed=0, init=0.02):
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    return tok
+
+
+def tiny_model(folder, layers=2, hidden=32, seed=0, init=0.02):
+    """A tiny random Llama with a byte-level tokenizer and a ChatML template, its weights of std `init`, saved to
+    `folder` -> folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tok),

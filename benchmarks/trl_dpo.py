@@ -12,7 +12,7 @@ date), its system message folded into the first user message where the template 
 train defaults, so the two trainers' curves can be laid side by side:
 
 - max_length=None: TRL's default of 1024 tokens, with truncation_mode "keep_start", drops every pair whose prompt
-  fills 1024 tokens and cuts the responses of the rest; PrivacyLens prompts run to 2-3k tokens. None trains on whole
+  fills 1024 tokens and cuts the responses of the rest; privact's prompts run to 2.8k tokens. None trains on whole
   pairs, as privact's --max-length 4096 does.
 - beta 0.4, learning rate 5e-7, linear warmup over 10% of the steps then cosine decay, AdamW without weight decay,
   gradient clipping at 1.0: the release's config, privact's defaults (TRL's own are beta 0.1, lr 1e-6, linear decay).
