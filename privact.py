@@ -2101,7 +2101,7 @@ def log_step(run, step, lr, grad_norm, sums):
     progress["pairs"] += step.pairs
     progress["seconds"] = time.time() - run.started
     row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
-    pairs = sums.pop("pairs")
+    pairs = sums.pop("pairs", 0)  # 0 on a process whose micro-batch was a weight-0 copy
     for key, total in sums.items():
         row[f"train/{key}"] = total / pairs
     if grad_norm is not None:
