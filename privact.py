@@ -900,7 +900,7 @@ def plan_steps(groups, role, progress, cfg, process=0, processes=1):
             mine = deal(batches, process, processes)
             steps.append(Step(epoch, done, pairs, mine))
     if cfg.max_steps:
-        return steps[: cfg.max_steps - progress["step"]]
+        return steps[: max(0, cfg.max_steps - progress["step"])]
     return steps
 
 
