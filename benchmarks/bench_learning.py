@@ -313,16 +313,26 @@ def paired(base, other, seed, resamples=1000):
     return result
 
 
-def summary_of(report):
-    """leak_rate = 1 - privacy_avg over all samples and its 95% interval over cases, helpfulness_avg and its interval,
-    the invalid rate and the sizes."""
-    low, high = report["ci95"]["privacy_avg"]
+def leak_of(metrics, intervals):
+    """(leak rate, its 95% interval) = 1 - privacy_avg, from a report's metrics and intervals."""
+    low, high = intervals["privacy_avg"]
+    return round(1 - metrics["privacy_avg"], 4), [round(1 - high, 4), round(1 - low, 4)]
+
+
+def summary_of(report, actions):
+    """leak_rate = 1 - privacy_avg over all samples and its 95% interval over cases; valid_leak_rate, the same over the
+    valid samples alone, pooled (the paper's metric); helpfulness_avg and its interval, the invalid rate, how many
+    distinct final actions the chain wrote (`actions`: every sample's) and the sizes."""
     metrics = report["metrics"]
-    summary = {"leak_rate": round(1 - metrics["privacy_avg"], 4), "ci95": [round(1 - high, 4), round(1 - low, 4)]}
+    summary = dict(zip(("leak_rate", "ci95"), leak_of(metrics, report["ci95"]), strict=True))
+    valid = report["metrics_valid_only"]
+    if valid:
+        summary.update(zip(("valid_leak_rate", "valid_ci95"), leak_of(valid, report["ci95_valid_only"]), strict=True))
     summary["helpfulness_avg"] = round(metrics["helpfulness_avg"], 4)
     summary["helpfulness_ci95"] = [round(x, 4) for x in report["ci95"]["helpfulness_avg"]]
     summary["invalid_rate"] = round(metrics["invalid_rate"], 4)
-    summary["valid_samples"] = report["metrics_valid_only"].get("num_samples", 0)
+    summary["distinct_actions"] = len(set(actions))
+    summary["valid_samples"] = valid.get("num_samples", 0)
     summary["num_cases"] = metrics["num_cases"]
     summary["num_samples"] = metrics["num_samples"]
     return summary
@@ -395,6 +405,7 @@ def run_round(args, folder, data, url):
         # a 135M model's activations fit: no recomputation in the backward pass
         privact_run(*train, "--no-gradient-checkpointing")
     reports = {}
+    actions = {}
     for name, roles in CHAINS.items():
         out = os.path.join(folder, f"eval_{name}")
         checkpoints = []
@@ -402,9 +413,10 @@ def run_round(args, folder, data, url):
             checkpoints += [f"--{role}", trained[role]]
         privact_run("eval", "--out", out, "--num-cases", args.test_cases, "--k", args.k, *sampling, *checkpoints)
         reports[name] = privact.read_json(os.path.join(out, "report.json"))
+        actions[name] = [leaf.output for record in privact.read_records(out) for leaf in privact.leaves(record["tree"])]
     summary = privact.read_json(os.path.join(run, "summary.json"))
     pairs = {role: summary[f"collect/pairs_{role}"] for role in ("verifier", "refiner")}
-    return reports, pairs
+    return reports, actions, pairs
 
 
 def main():
@@ -433,10 +445,10 @@ def main():
         synthetic_cases(data, max(args.train_cases * 5 // 4, args.test_cases * 5) + 5)
     server, url = serve(RuleJudge(privact.load_cases(data, "all")))
     try:
-        reports, pairs = run_round(args, folder, data, url)
+        reports, actions, pairs = run_round(args, folder, data, url)
     finally:
         server.shutdown()
-    result = {name: summary_of(report) for name, report in reports.items()}
+    result = {name: summary_of(report, actions[name]) for name, report in reports.items()}
     result["paired"] = {name: paired(reports["base"], reports[name], args.seed) for name in CHAINS if name != "base"}
     trained = result["paired"]["trained"]
     result["holds"] = {
@@ -446,10 +458,13 @@ def main():
     for role in ("verifier_only", "refiner_only"):
         result["holds"][f"{role}_leaks_less"] = result["paired"][role]["leak_diff_ci95"][1] < 0
     print(f"pairs: {pairs}")
-    print(f"{'chain':>14} {'leak rate':>22} {'helpfulness':>22} {'paired leak diff':>26}")
+    print(f"{'chain':>14} {'leak rate':>22} {'valid-only leak':>22} {'helpfulness':>22} {'paired leak diff':>26}")
     for name in CHAINS:
         row = result[name]
         leak = f"{row['leak_rate']:.3f} [{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}]"
+        valid_leak = "-"
+        if "valid_leak_rate" in row:
+            valid_leak = f"{row['valid_leak_rate']:.3f} [{row['valid_ci95'][0]:.3f}, {row['valid_ci95'][1]:.3f}]"
         helpful = f"{row['helpfulness_avg']:.3f} [{row['helpfulness_ci95'][0]:.3f}, {row['helpfulness_ci95'][1]:.3f}]"
         difference = ""
         if name != "base":
@@ -457,7 +472,7 @@ def main():
             difference = (
                 f"{diff['leak_diff']:+.3f} [{diff['leak_diff_ci95'][0]:+.3f}, {diff['leak_diff_ci95'][1]:+.3f}]"
             )
-        print(f"{name:>14} {leak:>22} {helpful:>22} {difference:>26}")
+        print(f"{name:>14} {leak:>22} {valid_leak:>22} {helpful:>22} {difference:>26}")
     print(f"holds: {result['holds']}")
     flags = {**vars(args), "pairs": pairs, "cpu": common_cpu()}
     print(json.dumps({**result, "seconds": round(time.time() - start, 1), "flags": flags}))
