@@ -59,7 +59,7 @@ import huggingface_hub
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
-from accelerate.utils import set_seed
+from accelerate.utils import parse_flag_from_env, set_seed
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, StaticCache
@@ -128,26 +128,6 @@ class UsageError(Exception):
 # ----------------------------------------------------------------------------------------------
 # Data: PrivacyLens cases and the released train/test split
 # ----------------------------------------------------------------------------------------------
-
-
-CASE_FIELDS = ("user_name", "user_email", "user_instruction", "toolkits", "executable_trajectory", "final_action")
-CASE_FIELDS += ("sensitive_info_items",)
-
-
-def check_case(case, index, path):
-    """PrivacyLens's schema: name and trajectory.{user_name, ..., sensitive_info_items}."""
-    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
-        raise UsageError(f"{path}: case #{index}: missing field 'name'")
-    where = f"{path}: case {case['name']}"
-    trajectory = case.get("trajectory")
-    if not isinstance(trajectory, dict):
-        raise UsageError(f"{where}: missing field 'trajectory'")
-    for key in CASE_FIELDS:
-        if trajectory.get(key) in (None, "", []):
-            raise UsageError(f"{where}: missing field 'trajectory.{key}'")
-    tool = trajectory["final_action"]
-    if tool not in P.FINAL_TOOLS:
-        raise UsageError(f"{where}: field 'trajectory.final_action' is {tool!r}, not one of {sorted(P.FINAL_TOOLS)}")
 
 
 def split_indices(n, split):
@@ -324,12 +304,24 @@ def parse_topology(text):
         if role not in NEEDS:
             raise UsageError(f"--topology: unknown role {role!r} (known: {', '.join(NEEDS)})")
         earlier = set(roles[:position])
-        for group in NEEDS[role]:
-            if not earlier & set(group):
-                raise UsageError(f"--topology: {role!r} needs a {' or '.join(group)} before it")
+        for needed in NEEDS[role]:
+            if not earlier & set(needed):
+                raise UsageError(f"--topology: {role!r} needs a {' or '.join(needed)} before it")
     if not set(roles) & set(DRAFT_ROLES):
         raise UsageError(f"--topology: the chain needs a role that writes the action ({', '.join(DRAFT_ROLES)})")
     return roles
+
+
+def parse_branching(text, roles):
+    """--branching '4,4,4' -> [4, 4, 4]: the children of a node at each level of the chain (B_1, B_2, B_3), one whole
+    number from 1 up per role."""
+    try:
+        branching = [int(part) for part in text.split(",")]
+    except ValueError:
+        branching = []
+    if len(branching) != len(roles) or min(branching, default=0) < 1:
+        raise UsageError(f"--branching {text!r}: expected {len(roles)} comma-separated whole numbers, each 1 or more")
+    return branching
 
 
 def rollout(cases, chain, sample):
@@ -499,34 +491,6 @@ def judge_leaves(roots, cases, judge):
     return sum(tokens)
 
 
-def rollout_chunk(cases, chain, models, cfg):
-    """Roll out and judge a chunk of cases -> (one record per case: {"case", "tree" (its root Node), "sampled_with"
-    (role: tokenizer_fingerprint)}, the chunk's counts: the policy's and the judge's seconds and
-    tokens)."""
-    start = time.perf_counter()
-    roots = rollout(cases, chain, functools.partial(sample_role, models, cfg))
-    judging = time.perf_counter()
-    judge_tokens = judge_leaves(roots, cases, functools.partial(judge, models, cfg))
-    policy_tokens = 0
-    for root in roots:
-        for node in walk(root):
-            policy_tokens += len(node.token_ids or [])
-    counts = {
-        "policy_seconds": judging - start,
-        "policy_tokens": policy_tokens,
-        "judge_seconds": time.perf_counter() - judging,
-        "judge_tokens": judge_tokens,
-    }
-    sampled_with = {}
-    for role in chain.roles:
-        sampled_with[role] = tokenizer_fingerprint(models[role][1])
-    records = []
-    for root, case in zip(roots, cases, strict=True):
-        record = {"case": case["name"], "tree": root, "sampled_with": sampled_with}
-        records.append(record)
-    return records, counts
-
-
 # ----------------------------------------------------------------------------------------------
 # 3.3 Leakage-conditioned asymmetric reward shaping (LC-ARS), Equation 1
 # ----------------------------------------------------------------------------------------------
@@ -550,11 +514,6 @@ def lcars_reward(L, H, b1=0.0, b2=0.3, alpha=0.5, beta=2.0):
         penalty = L**alpha + H**beta + b1
         return -min(penalty, 1.0)
     return b2 + (1.0 - b2) * H**beta
-
-
-def lcars_of(flags):
-    """Eq. 1 as a function of (L, H) alone, with the b1, b2, alpha and beta of `flags` (RewardFlags)."""
-    return functools.partial(lcars_reward, b1=flags.b1, b2=flags.b2, alpha=flags.lcars_alpha, beta=flags.lcars_beta)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -662,28 +621,37 @@ def pairs_from_records(records, taus, reward):
 
 
 class Group(NamedTuple):
-    """The pairs of one prompt: the siblings of one node (paper 3.2.2). The prompt's token ids, each distinct response's
-    token ids once, and the pairs as (chosen, rejected) indices into the responses."""
+    """Pairs that share a prompt and train in one row: the sibling pairs of one node (paper 3.2.2), or at most
+    --pairs-per-group of them. The prompt's token ids, each distinct response's token ids once, and the pairs as
+    (chosen, rejected) indices into the responses."""
 
     prompt: list
     responses: list
     pairs: list
 
 
-def group_pairs(examples):
-    """(prompt, chosen, rejected) token ids -> one Group per distinct prompt, in order of first appearance: the pairs
-    whose prompts are the same ids, whatever file they come from. A response in several pairs is held once, so the
-    model scores it once however many pairs it takes part in."""
-    groups = {}
+def group_pairs(examples, most=0):
+    """(prompt, chosen, rejected) token ids -> Groups in order of first appearance: the pairs whose prompts are the same
+    ids, whatever file they come from, at most `most` in a group (0: all; the rest of a node's pairs make further
+    groups of its prompt). A response in several pairs of a group is held once, so the model scores it once however
+    many of them it takes part in."""
+    by_prompt = {}
     for prompt, chosen, rejected in examples:
-        group = groups.setdefault(tuple(prompt), Group(prompt, [], []))
-        indices = []
-        for response in (chosen, rejected):
-            if response not in group.responses:
-                group.responses.append(response)
-            indices.append(group.responses.index(response))
-        group.pairs.append(tuple(indices))
-    return list(groups.values())
+        by_prompt.setdefault(tuple(prompt), []).append((chosen, rejected))
+    cuts = []
+    for prompt, pairs in by_prompt.items():
+        size = most or len(pairs)
+        for first in range(0, len(pairs), size):
+            cuts.append((list(prompt), pairs[first : first + size]))
+    groups = []
+    for prompt, pairs in cuts:
+        responses = []
+        for response in itertools.chain.from_iterable(pairs):
+            if response not in responses:
+                responses.append(response)
+        indices = [(responses.index(chosen), responses.index(rejected)) for chosen, rejected in pairs]
+        groups.append(Group(prompt, responses, indices))
+    return groups
 
 
 def collate_groups(groups, pad_id):
@@ -710,14 +678,14 @@ def collate_groups(groups, pad_id):
     labels [N, R + 1] (N responses, R the longest); chosen, rejected [pairs]. Padding holds pad_id and its own index as
     its position; a padded position attends causally and is never read."""
     rows = []
-    # (row, where it starts, its tokens) of every response, in order
+    # (row, the column it starts at, its tokens) of every response, in order
     responses = []
     chosen = []
     rejected = []
     for row, group in enumerate(groups):
-        for first, second in group.pairs:
-            chosen.append(len(responses) + first)
-            rejected.append(len(responses) + second)
+        for chosen_at, rejected_at in group.pairs:
+            chosen.append(len(responses) + chosen_at)
+            rejected.append(len(responses) + rejected_at)
         ids = list(group.prompt)
         for response in group.responses:
             responses.append((row, len(ids), response))
@@ -729,13 +697,13 @@ def collate_groups(groups, pad_id):
     mask = torch.ones(len(rows), 1, width, width, dtype=torch.bool).tril()
     scored_at = []
     labels = []
-    for row, first, response in responses:
+    for row, column, response in responses:
         start = len(groups[row].prompt)
-        end = first + len(response)
+        end = column + len(response)
         # a response's positions restart after the prompt, and it does not see the responses before it
-        position_ids[row, first:end] = torch.arange(start, start + len(response))
-        mask[row, 0, first:end, start:first] = False
-        at = [start - 1, *range(first, end)]
+        position_ids[row, column:end] = torch.arange(start, start + len(response))
+        mask[row, 0, column:end, start:column] = False
+        at = [start - 1, *range(column, end)]
         scored_at.append([row * width + position for position in at])
         labels.append([-100, *response])
     return {
@@ -766,9 +734,9 @@ def sequence_logps(logits, labels):
     logits = logits[:, :-1, :].float()  # [B, T-1, V]
     labels = labels[:, 1:]  # [B, T-1]
     scored = labels != -100
-    # any valid index where nothing is scored
-    index = labels.masked_fill(~scored, 0)
-    picked = torch.gather(logits, 2, index.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    # any valid token where nothing is scored
+    targets = labels.masked_fill(~scored, 0)
+    picked = torch.gather(logits, 2, targets.unsqueeze(-1)).squeeze(-1)  # [B, T-1]
     token_logps = picked - logits.logsumexp(-1)  # log_softmax at the label, without a [B, T-1, V] copy
     return (token_logps * scored).sum(-1)
 
@@ -776,7 +744,12 @@ def sequence_logps(logits, labels):
 def response_logps(model, batch):
     """The summed log-prob of every response of a batch of packed rows (collate_groups) -> [N], through
     sequence_logps. Only the hidden states that score a response go through the LM head (response_at), so no
-    [G, T, V] logits exist."""
+    [G, T, V] logits exist. Of transformers' attentions only sdpa reads the rows' 4D boolean mask as a mask (eager adds
+    its ones and zeros to the scores, flash attention ignores it): any other is refused."""
+    # DeepSpeed and DDP wrap the model
+    unwrapped = getattr(model, "module", model)
+    if unwrapped.config._attn_implementation != "sdpa":
+        raise UsageError("packed rows need the model loaded with attn_implementation='sdpa', which reads their mask")
     hidden = model(
         input_ids=batch["input_ids"],
         position_ids=batch["position_ids"],
@@ -784,8 +757,7 @@ def response_logps(model, batch):
         output_hidden_states=True,
         logits_to_keep=1,
     ).hidden_states[-1]  # [G, T, H], after the final norm
-    # DeepSpeed and DDP wrap the model
-    lm_head = getattr(model, "module", model).get_output_embeddings()
+    lm_head = unwrapped.get_output_embeddings()
     positions = hidden.flatten(0, 1)  # [G T, H]
     scored = positions[batch["response_at"]].to(lm_head.weight.dtype)  # [N, R + 1, H]
     logits = lm_head(scored)  # [N, R + 1, V]
@@ -804,8 +776,9 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
 
 
 def dpo_step(policy, batch, reference, beta):
-    """One micro-batch -> (its pairs' losses summed, each metric summed over its pairs, and "pairs"); reference: its
-    responses' [N] reference log-probs (reference_logps)."""
+    """One micro-batch -> (its pairs' losses summed, {metric: its sum over the pairs}); reference: its responses' [N]
+    reference log-probs (reference_logps). The metrics are the DPO authors' trainer's: the rewards, their accuracy and
+    margin, the policy's log-probs."""
     logps = response_logps(policy, batch)
     chosen = batch["chosen"]
     rejected = batch["rejected"]
@@ -814,34 +787,36 @@ def dpo_step(policy, batch, reference, beta):
     )
     values = {
         "loss": losses,
+        "reward_chosen": chosen_rewards,
+        "reward_rejected": rejected_rewards,
         "reward_acc": (chosen_rewards > rejected_rewards).float(),
         "reward_margin": chosen_rewards - rejected_rewards,
         # the policy's log-probs: what DPO moves
         "logp_chosen": logps[chosen],
         "logp_rejected": logps[rejected],
     }
-    sums = {name: value.sum().item() for name, value in values.items()}
-    sums["pairs"] = len(chosen)
+    sums = {name: value.detach().sum() for name, value in values.items()}
     return losses.sum(), sums
 
 
-def cosine_lr(step, steps, cfg):
-    """The learning rate of optimizer step `step` (0-based) of `steps`: linear warmup over ceil(--warmup-ratio x
-    steps) steps, then cosine decay to 0 (the released config; transformers' get_cosine_schedule_with_warmup).
-    A function of the step alone, so a resumed run needs no scheduler state."""
-    warmup = math.ceil(cfg.warmup_ratio * steps)
-    if step < warmup:
+def cosine_lr(number, total, cfg):
+    """The learning rate of optimizer step `number` (0-based) of `total`: linear warmup over ceil(--warmup-ratio x
+    total) steps, then cosine decay to 0 (the released config; transformers' get_cosine_schedule_with_warmup). The
+    warmup leaves the last step out, so a one-step run trains (in transformers' its only step has a rate of 0). A
+    function of the step's number alone, so a resumed run needs no scheduler state."""
+    warmup = min(math.ceil(cfg.warmup_ratio * total), total - 1)
+    if number < warmup:
         # linear, from 0
-        return cfg.lr * step / warmup
-    progress = (step - warmup) / (steps - warmup)
+        return cfg.lr * number / warmup
+    progress = (number - warmup) / (total - warmup)
     decay = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.lr * decay
 
 
 @dataclass
 class MicroBatch:
-    """Groups trained in one forward and backward: their indices, the weight of their loss in the step (0 for a
-    copy that only keeps processes in step) and their responses' reference log-probs [N] (reference_logps)."""
+    """Groups trained in one forward and backward, the weight of their loss in the step (0 for a copy that only keeps
+    processes in step) and their responses' reference log-probs [N] (reference_logps)."""
 
     groups: list
     weight: float = 1.0
@@ -858,18 +833,17 @@ class Step(NamedTuple):
     micro_batches: list
 
 
-def pack_groups(order, pair_counts, batch_size):
-    """The groups of `order`, in that order, packed into micro-batches of at most `batch_size` pairs; a group of more
-    pairs is a micro-batch alone. -> [[group index, ...], ...]"""
+def pack_groups(groups, batch_size):
+    """Groups, in their order, packed into micro-batches of at most `batch_size` pairs; a group of more pairs is a
+    micro-batch alone. -> [[Group, ...], ...]"""
     micro_batches = []
     pairs = 0
-    for group in order:
-        count = pair_counts[group]
-        if not micro_batches or pairs + count > batch_size:
+    for group in groups:
+        if not micro_batches or pairs + len(group.pairs) > batch_size:
             micro_batches.append([])
             pairs = 0
         micro_batches[-1].append(group)
-        pairs += count
+        pairs += len(group.pairs)
     return micro_batches
 
 
@@ -881,7 +855,6 @@ def plan_steps(groups, role, progress, cfg, process=0, processes=1):
     all. A resumed run plans from the groups done, so under another --batch-size it still trains each pair once an
     epoch. -> [Step], each with this process's micro-batches (deal)."""
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
-    pair_counts = [len(group.pairs) for group in groups]
     per_step = cfg.grad_accum * processes
     steps = []
     for epoch in range(progress["epoch"], epochs):
@@ -890,13 +863,14 @@ def plan_steps(groups, role, progress, cfg, process=0, processes=1):
         done = 0
         if epoch == progress["epoch"]:
             done = progress["groups"]
-        micro_batches = pack_groups(order[done:], pair_counts, cfg.batch_size)
+        shuffled = [groups[index] for index in order[done:]]
+        micro_batches = pack_groups(shuffled, cfg.batch_size)
         for first in range(0, len(micro_batches), per_step):
             batches = micro_batches[first : first + per_step]
             pairs = 0
             for batch in batches:
                 done += len(batch)
-                pairs += sum(pair_counts[group] for group in batch)
+                pairs += sum(len(group.pairs) for group in batch)
             mine = deal(batches, process, processes)
             steps.append(Step(epoch, done, pairs, mine))
     if cfg.max_steps:
@@ -905,8 +879,8 @@ def plan_steps(groups, role, progress, cfg, process=0, processes=1):
 
 
 def deal(batches, process, processes):
-    """A step's micro-batches (lists of group indices) -> this process's: every `processes`-th from the `process`-th.
-    One left short runs the step's first again at weight 0, so that every process joins every all-reduce."""
+    """A step's micro-batches (lists of groups) -> this process's: every `processes`-th from the `process`-th. One left
+    short runs the step's first again at weight 0, so that every process joins every all-reduce."""
     mine = [MicroBatch(batch) for batch in batches[process::processes]]
     rounds = math.ceil(len(batches) / processes)
     if len(mine) < rounds:
@@ -914,7 +888,7 @@ def deal(batches, process, processes):
     return mine
 
 
-def reference_logps(policy, groups, steps, pad_id):
+def reference_logps(policy, steps, pad_id):
     """DPO's reference pi_ref, the model before training, scored before the first step: each micro-batch of `steps`
     (this process's, every epoch's, plan_steps) gets its responses' summed log-probs as its `reference`. Each is
     scored on the same row, with the same padding, precision and forward as the step that trains on it, so a step
@@ -922,9 +896,9 @@ def reference_logps(policy, groups, steps, pad_id):
     padded to another width, moves by up to 0.17 nats on SmolLM2). That is the forward the release's frozen copy runs
     beside the policy at every micro-batch, without holding the copy; nothing is merged across processes."""
     with torch.no_grad():
-        for step in tqdm(steps, "reference log-probs", disable=not PartialState().is_main_process):
+        for step in tqdm(steps, "reference log-probs", disable=not process_state().is_main_process):
             for micro in step.micro_batches:
-                batch = collate_groups([groups[index] for index in micro.groups], pad_id)
+                batch = collate_groups(micro.groups, pad_id)
                 micro.reference = response_logps(policy, batch)
 
 
@@ -935,28 +909,26 @@ def train_dpo(run, policy, optimizer, steps):
     cfg, accelerator = run.cfg, run.accelerator
     done = run.progress["step"]
     total = done + len(steps)
-    if not any(cosine_lr(step, total, cfg) for step in range(total)):
-        accelerator.print(f"warning: no step of {total} gets a learning rate above 0: use --warmup-ratio 0")
     bar = tqdm(steps, "DPO", initial=done, total=total, unit="step", disable=not accelerator.is_main_process)
     for number, step in enumerate(bar, done):
         lr = cosine_lr(number, total, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for params in optimizer.param_groups:
+            params["lr"] = lr
         # accelerate divides each loss by --grad-accum and DDP averages the processes' gradients: undone here, so the
         # step's gradient is the mean over its pairs on every process, as transformers' Trainer makes it
         scale = cfg.grad_accum * accelerator.num_processes / step.pairs
         sums = collections.Counter()
-        for index, micro in enumerate(step.micro_batches):
-            last = index == len(step.micro_batches) - 1
+        for micro in step.micro_batches:
+            last = micro is step.micro_batches[-1]
             # the last micro-batch's backward all-reduces the gradients (DDP), and under DeepSpeed clips and steps
             accelerator.sync_gradients = last
             accumulating = contextlib.nullcontext() if last else accelerator.no_sync(policy)
             with accumulating:
-                batch = collate_groups([run.groups[index] for index in micro.groups], run.pad_id)
+                batch = collate_groups(micro.groups, run.pad_id)
                 loss, metrics = dpo_step(policy, batch, micro.reference, cfg.beta)
                 accelerator.backward(loss * scale * micro.weight)
-            if micro.weight:
-                sums.update(metrics)
+            for name, value in metrics.items():
+                sums[name] += value * micro.weight
         grad_norm = None
         if cfg.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
@@ -1130,15 +1102,14 @@ def confaide_metrics(cases):
 def cmd_collect(cfg):
     """Sample judged rollout trees and build preference pairs (paper 3.2: trees 3.2.1, LC-ARS 3.3, pairs 3.2.2)."""
     roles = parse_topology(cfg.topology)
-    branching = parse_ints(cfg.branching, "--branching", count=len(roles))
+    branching = parse_branching(cfg.branching, roles)
     chain = Chain(roles, branching, cfg.prompt)
     taus = parse_taus(cfg.tau, roles)
     cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
     role_models = dict.fromkeys(roles, cfg.model)
     # every process rolls out its share of the chunks; the main process then reads them all
-    if run_rollouts(cfg, cases, chain, role_models):
-        names = [case["name"] for case in cases]
-        records = read_records(cfg.out, names)
+    records = run_rollouts(cfg, cases, chain, role_models)
+    if records:
         reward = lcars_of(cfg)
         pairs = pairs_from_records(records, taus, reward)
         write_pairs(cfg.out, pairs, records, cfg)
@@ -1162,11 +1133,12 @@ def cmd_train(cfg):
     # float32 master weights; bf16 comes from autocast or DeepSpeed
     policy, tok = load_model(cfg.model, torch.float32, accelerator.device)
     policy, optimizer = prepare_training(run, policy)
+    groups = group_pairs(run.examples, cfg.pairs_per_group)
     process = accelerator.process_index
-    steps = plan_steps(run.groups, run.role, run.progress, cfg, process, accelerator.num_processes)
+    steps = plan_steps(groups, run.role, run.progress, cfg, process, accelerator.num_processes)
     # pi_ref: before the first step (and before a killed run's state loads), the starting model scores every
     # micro-batch the run has left
-    reference_logps(policy, run.groups, steps, run.pad_id)
+    reference_logps(policy, steps, run.pad_id)
     resume(run, steps)
     train_dpo(run, policy, optimizer, steps)
     save_checkpoint(run, policy, tok)
@@ -1182,21 +1154,20 @@ def cmd_eval(cfg):
     chain = eval_chain(cfg.baseline, cfg.topology, cfg.prompt, cfg.k, trained)
     cases = load_cases(cfg.data, cfg.split, cfg.num_cases)
     role_models = {role: trained.get(role, cfg.model) for role in chain.roles}
-    if run_rollouts(cfg, cases, chain, role_models):
-        names = [case["name"] for case in cases]
-        records = read_records(cfg.out, names)
+    records = run_rollouts(cfg, cases, chain, role_models)
+    if records:
         write_eval_report(cfg, records)
 
 
 def cmd_confaide(cfg):
     """A model on ConfAIde tiers 3-4 as a plain chat model, its answers scored as ConfAIde's eval.py (Table 2)."""
-    tiers = parse_ints(cfg.tiers, "--tiers", allowed=(3, 4))
+    tiers = [int(tier) for tier in cfg.tiers.split(",")]
     items = load_confaide(cfg.data, tiers, cfg.num_cases)
     keys = list(items)
     work = functools.partial(confaide_chunk, cfg, items)
     paths = {"model": cfg.model}
-    if run_chunks(cfg, keys, paths, work):
-        records = read_records(cfg.out, keys)
+    records = run_chunks(cfg, keys, paths, work)
+    if records:
         write_confaide_report(cfg, records)
 
 
@@ -1277,7 +1248,8 @@ def check_hub_id(name):
         huggingface_hub.HfApi().model_info(name, timeout=10)
     except Exception as e:  # no such model, no network, a proxy, a timeout
         cause = first_line(e)
-        raise UsageError(f"model {name!r}: no such folder, and the hub does not serve it ({cause})") from None
+        advice = "a private model needs `hf auth login`; a cached one loads with HF_HUB_OFFLINE=1"
+        raise UsageError(f"model {name!r}: no such folder, and the hub does not serve it ({cause}); {advice}") from None
 
 
 def load_model(name, dtype=torch.float32, device=None, tok=None):
@@ -1387,34 +1359,34 @@ class Decoding:
     as_release: bool = False
 
 
-def prefix_groups(prompts):
-    """Prompt indices grouped so that the members of a group share at least half of the longest one: a case's
-    prompts at one level, the judge's prompts on one case. Lexicographic order puts them side by side. Groups
-    come longest first, so an out-of-memory error shows at the start."""
-    groups = []
+def prefix_families(prompts):
+    """Prompt indices in families whose members share at least half of the longest one: a case's prompts at one level,
+    the judge's prompts on one case. Lexicographic order puts them side by side. Families come longest first, so an
+    out-of-memory error shows at the start."""
+    families = []
     in_text_order = sorted(range(len(prompts)), key=lambda i: prompts[i])
     for i in in_text_order:
-        if groups:
-            candidates = [*groups[-1], i]
+        if families:
+            candidates = [*families[-1], i]
             members = [prompts[j] for j in candidates]
             shared = len(os.path.commonprefix(members))
             longest = max(map(len, members))
             if shared >= max(16, longest // 2):
-                groups[-1].append(i)
+                families[-1].append(i)
                 continue
-        groups.append([i])
+        families.append([i])
 
-    def longest_member(group):
-        return max(len(prompts[i]) for i in group)
+    def longest_member(family):
+        return max(len(prompts[i]) for i in family)
 
-    return sorted(groups, key=longest_member, reverse=True)
+    return sorted(families, key=longest_member, reverse=True)
 
 
-def prefill(model, prompts, group_of, pad_id, room):
+def prefill(model, prompts, family_of, pad_id, room):
     """Left-padded ids and mask [n, W] of n token-id prompts, and a StaticCache of W - 1 + room positions holding
     their first W - 1 tokens; generate's first step then reads each prompt's last token.
 
-    The common prefix of each group (group_of: n labels) goes through the model once, alone ([1, p]), and its
+    The common prefix of each family (family_of: n labels) goes through the model once, alone ([1, p]), and its
     keys and values are written into every member's row where the member's tokens start. Then what follows
     the prefixes goes through the model for all rows at once, over the last columns that hold it (a member
     with a shorter rest recomputes a few of its prefix's tokens). Position ids count real tokens only, so every
@@ -1433,10 +1405,10 @@ def prefill(model, prompts, group_of, pad_id, room):
     # full layers for sliding-window ones too (the model's mask still limits them): transformers' sliding
     # static layers roll their window, which cannot be filled by hand
     cache.layers = [StaticLayer(max_cache_len=cache_len) for _ in cache.layers]
-    # the longest part of a prompt after its group's shared prefix, its last token aside
+    # the longest part of a prompt after its family's shared prefix, its last token aside
     rest = 0
-    for label in dict.fromkeys(group_of):
-        members = [i for i, of in enumerate(group_of) if of == label]
+    for label in dict.fromkeys(family_of):
+        members = [i for i, of in enumerate(family_of) if of == label]
         seqs = [prompts[i] for i in members]
         # the last token of each prompt is left for generate's first step
         shortest = min(map(len, seqs))
@@ -1484,7 +1456,7 @@ def write_prefix(model, cache, prefix, rows, starts):
 @torch.inference_mode()
 def generate(model, tok, chats, decoding, cfg):
     """Chats -> per chat `decoding.samples` Completions, in left-padded batches of at most --batch-size sequences.
-    Prompts that share a prefix go side by side and each shared prefix is prefilled once (prefix_groups,
+    Prompts that share a prefix go side by side and each shared prefix is prefilled once (prefix_families,
     prefill); a prompt's samples share its cache, where generate(num_return_sequences=B) would prefill it B
     times. Sampling and stopping are generate's own."""
     texts = [chat_text(tok, chat, not decoding.as_release) + decoding.prefix for chat in chats]
@@ -1505,15 +1477,15 @@ def generate(model, tok, chats, decoding, cfg):
         stop_strings=decoding.stop,
         **sampling,
     )
-    groups = prefix_groups(prompts)
-    group_of = {i: n for n, group in enumerate(groups) for i in group}
-    order = sorted(group_of, key=group_of.get)
+    families = prefix_families(prompts)
+    family_of = {i: n for n, family in enumerate(families) for i in family}
+    order = sorted(family_of, key=family_of.get)
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
     for first in tqdm(range(0, len(order), per_batch), "generate", unit="batch", leave=False):
         batch = order[first : first + per_batch]
         batch_prompts = [prompts[i] for i in batch]
-        labels = [group_of[i] for i in batch]
+        labels = [family_of[i] for i in batch]
         ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id, gen.max_new_tokens)
         for layer in cache.layers:  # [n, kv_heads, positions, head_dim] -> [n * B, ...]
             layer.keys = layer.keys.repeat_interleave(samples, 0)
@@ -1699,6 +1671,26 @@ def read_json(path):
     return rows if path.endswith(".jsonl") else rows[0]
 
 
+CASE_FIELDS = ("user_name", "user_email", "user_instruction", "toolkits", "executable_trajectory", "final_action")
+CASE_FIELDS += ("sensitive_info_items",)
+
+
+def check_case(case, index, path):
+    """PrivacyLens's schema: name and trajectory.{user_name, ..., sensitive_info_items}."""
+    if not isinstance(case, dict) or not isinstance(case.get("name"), str):
+        raise UsageError(f"{path}: case #{index}: missing field 'name'")
+    where = f"{path}: case {case['name']}"
+    trajectory = case.get("trajectory")
+    if not isinstance(trajectory, dict):
+        raise UsageError(f"{where}: missing field 'trajectory'")
+    for key in CASE_FIELDS:
+        if trajectory.get(key) in (None, "", []):
+            raise UsageError(f"{where}: missing field 'trajectory.{key}'")
+    tool = trajectory["final_action"]
+    if tool not in P.FINAL_TOOLS:
+        raise UsageError(f"{where}: field 'trajectory.final_action' is {tool!r}, not one of {sorted(P.FINAL_TOOLS)}")
+
+
 def read_rows(source):
     """The rows of a local JSON or JSONL file, or of a hub dataset named org/name (its train split)."""
     if os.path.exists(source) or source.count("/") != 1 or source.endswith((".json", ".jsonl")):
@@ -1708,7 +1700,8 @@ def read_rows(source):
     try:
         return datasets.load_dataset(source, split="train").to_list()
     except Exception as e:  # offline, an unknown id, a gated dataset
-        raise UsageError(f"{source}: cannot load it from the hub ({first_line(e)})") from None
+        cause = first_line(e)
+        raise UsageError(f"{source}: cannot load it from the hub ({cause}); offline, give a local JSON file") from None
 
 
 def write_text(path, text):
@@ -1821,14 +1814,27 @@ def missing_chunks(keys, done, chunk_cases):
     return missing
 
 
+def process_state():
+    """accelerate's state of this process among those launched, made as accelerate's Accelerator makes it: on CPUs
+    (ACCELERATE_USE_CPU=1, as `accelerate launch --cpu` sets) over gloo. A state made before privact's that spans
+    fewer processes than were launched (a PartialState() on CPUs, made without cpu=True) would have every process
+    do all the work alone: refused."""
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    launched = int(os.environ.get("WORLD_SIZE", state.num_processes))
+    if state.num_processes != launched:
+        span = f"accelerate's state, made before privact's, spans {state.num_processes}"
+        raise UsageError(f"{launched} processes were launched but {span}: on CPUs, make it PartialState(cpu=True)")
+    return state
+
+
 def run_chunks(cfg, keys, paths, work, judge_url=""):
     """Compute the records of `keys` that <out>/rollouts/ lacks, chunk by chunk on all processes, by work(models,
     keys) -> (records, counts); each chunk is written as one file by rename, so a kill leaves only whole chunks.
     Chunk g reseeds from (seed, g): its samples depend neither on the number of processes nor on how far a killed
     run got. `paths` (role -> model name) load on a process only when it has work, the judge's as its tokenizer alone
-    where `judge_url` serves it; config.json, checked first, is written once they have loaded. -> True on the main
-    process, once every process has written its chunks."""
-    state = PartialState()
+    where `judge_url` serves it; config.json, checked first, is written once they have loaded. -> on the main process,
+    once every process has written its chunks, the records of `keys` in their order (read_records); elsewhere None."""
+    state = process_state()
     if cfg.dtype == "auto":
         # the paper's bfloat16 on a GPU
         dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -1855,12 +1861,42 @@ def run_chunks(cfg, keys, paths, work, judge_url=""):
         name = f"{keys.index(chunk_keys[0]):06d}.json"
         write_json(os.path.join(rollouts, name), {"counts": counts, "records": records})
     state.wait_for_everyone()
-    return state.is_main_process
+    if state.is_main_process:
+        return read_records(cfg.out, keys)
+    return None
+
+
+def rollout_chunk(cases, chain, models, cfg):
+    """Roll out and judge a chunk of cases -> (one record per case: {"case", "tree" (its root Node), "sampled_with"
+    (role: tokenizer_fingerprint)}, the chunk's counts: the policy's and the judge's seconds and
+    tokens)."""
+    start = time.perf_counter()
+    roots = rollout(cases, chain, functools.partial(sample_role, models, cfg))
+    judging = time.perf_counter()
+    judge_tokens = judge_leaves(roots, cases, functools.partial(judge, models, cfg))
+    policy_tokens = 0
+    for root in roots:
+        for node in walk(root):
+            policy_tokens += len(node.token_ids or [])
+    counts = {
+        "policy_seconds": judging - start,
+        "policy_tokens": policy_tokens,
+        "judge_seconds": time.perf_counter() - judging,
+        "judge_tokens": judge_tokens,
+    }
+    sampled_with = {}
+    for role in chain.roles:
+        sampled_with[role] = tokenizer_fingerprint(models[role][1])
+    records = []
+    for root, case in zip(roots, cases, strict=True):
+        record = {"case": case["name"], "tree": root, "sampled_with": sampled_with}
+        records.append(record)
+    return records, counts
 
 
 def run_rollouts(cfg, cases, chain, role_models):
     """collect's and eval's chunks: each chunk of cases rolled out by `role_models` (role -> model name) and judged
-    (rollout_chunk)."""
+    (rollout_chunk). -> the records, on the main process (run_chunks)."""
     by_name = {case["name"]: case for case in cases}
     paths = {**role_models, "judge": cfg.judge_model or cfg.model}
 
@@ -1881,6 +1917,11 @@ def write_report(cfg, report):
 # ----------------------------------------------------------------------------------------------
 # collect's outputs: the pairs files and a summary
 # ----------------------------------------------------------------------------------------------
+
+
+def lcars_of(flags):
+    """Eq. 1 as a function of (L, H) alone, with the b1, b2, alpha and beta of `flags` (RewardFlags)."""
+    return functools.partial(lcars_reward, b1=flags.b1, b2=flags.b2, alpha=flags.lcars_alpha, beta=flags.lcars_beta)
 
 
 def write_pairs(run, pairs, records, cfg):
@@ -1987,15 +2028,15 @@ def text_response(tok, text, prompt, pair, side):
 
 @dataclass
 class TrainRun:
-    """One train command: its flags, accelerator and checkpoint folder, its role, its pairs as token ids in sibling
-    groups (group_pairs), and where it stands (progress: steps done, the epoch and its groups done, pairs seen,
-    seconds, history)."""
+    """One train command: its flags, accelerator and checkpoint folder, its role, its pairs as (prompt, chosen,
+    rejected) token ids (tokenize_pairs), and where it stands (progress: steps done, the epoch and its groups done,
+    pairs seen, seconds, history)."""
 
     cfg: "TrainConfig"
     accelerator: Accelerator
     out: str
     role: str
-    groups: list
+    examples: list
     pad_id: int
     stats: dict
     progress: dict = None
@@ -2019,6 +2060,7 @@ def start_training(cfg):
         if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name}: pip install {name}")
     state_folder = out + ".state"
+    process_state()
     accelerator = Accelerator(
         gradient_accumulation_steps=cfg.grad_accum,
         mixed_precision=cfg.mixed_precision or None,
@@ -2031,10 +2073,8 @@ def start_training(cfg):
     if not examples:
         raise UsageError(f"--pairs {cfg.pairs}: no pair fits in --max-length {cfg.max_length}")
     make_folder(state_folder)
-    groups = group_pairs(examples)
     stats["train/pairs"] = len(examples)
-    stats["train/groups"] = len(groups)
-    run = TrainRun(cfg, accelerator, out=out, role=role, groups=groups, pad_id=tok.pad_token_id, stats=stats)
+    run = TrainRun(cfg, accelerator, out=out, role=role, examples=examples, pad_id=tok.pad_token_id, stats=stats)
     # the last whole state <out>.state/step-<k> a killed run saved
     states = glob.glob(os.path.join(state_folder, "step-*[0-9]"))
     run.progress = {"step": 0, "epoch": 0, "groups": 0, "pairs": 0, "seconds": 0.0, "history": []}
@@ -2092,8 +2132,9 @@ def make_optimizer(policy, plugin):
 
 
 def log_step(run, step, lr, grad_norm, sums):
-    """A Step (plan_steps) done: run.progress moves (the one place it does), and the step's row (each metric averaged
-    over this process's pairs in it; sums: dpo_step's, added) goes into the history, the trackers and stdout."""
+    """A Step (plan_steps) done: run.progress moves (the one place it does), and the step's row goes into the history,
+    the trackers and stdout: each metric of dpo_step (`sums`: this process's, added) summed over every process and
+    averaged over the step's pairs, as the DPO authors' trainer gathers its metrics."""
     progress = run.progress
     progress["step"] += 1
     progress["epoch"] = step.epoch
@@ -2101,9 +2142,10 @@ def log_step(run, step, lr, grad_norm, sums):
     progress["pairs"] += step.pairs
     progress["seconds"] = time.time() - run.started
     row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
-    pairs = sums.pop("pairs", 0)  # 0 on a process whose micro-batch was a weight-0 copy
-    for key, total in sums.items():
-        row[f"train/{key}"] = total / pairs
+    names = list(sums)
+    totals = run.accelerator.reduce(torch.stack([sums[name] for name in names]), "sum")
+    for name, total in zip(names, totals.tolist(), strict=True):
+        row[f"train/{name}"] = total / step.pairs
     if grad_norm is not None:
         row["train/grad_norm"] = float(grad_norm)
     row["train/pairs_per_s"] = progress["pairs"] / progress["seconds"]
@@ -2394,9 +2436,9 @@ def cmd_judge(cfg):
         return [records[name] for name in names], counts
 
     judge_model = {"judge": new.judge_model or new.model}
-    if not run_chunks(new, list(records), judge_model, work, new.judge_url):
+    rejudged = run_chunks(new, list(records), judge_model, work, new.judge_url)
+    if not rejudged:
         return
-    rejudged = read_records(new.out, list(records))
     if made_by == "eval":
         write_eval_report(new, rejudged)
     else:
@@ -2406,7 +2448,7 @@ def cmd_judge(cfg):
 
 
 # ----------------------------------------------------------------------------------------------
-# Configs: one per command, built from the groups of flags it takes; the string under each field is its --help
+# Configs: one per command, built from the sets of flags it takes; the string under each field is its --help
 # (CleanRL's style); the command line is built from them
 # ----------------------------------------------------------------------------------------------
 
@@ -2524,6 +2566,10 @@ class TrainConfig:
     batch_size: int = opt(8, low=1)
     """pairs per process in a micro-batch, in whole sibling groups (a group of more pairs is a micro-batch alone);
     after an out-of-memory error, rerun with a smaller one (and a larger --grad-accum): it resumes each pair left"""
+    pairs_per_group: int = opt(0, low=0)
+    """the most pairs of one node trained in one row, its prompt run once for them; its further pairs make further
+    groups, shuffled apart. 0: all of them; 1: one pair a row, each step's pairs from as many nodes as it holds pairs,
+    as the release's pair shuffle draws them, for the prompt's cost once per pair (README: Groups, not pairs)"""
     grad_accum: int = opt(4, low=1)
     """micro-batches per process in an optimizer step (8 x 4: about the paper's 32 pairs); an epoch's last step may
     take fewer"""
@@ -2578,7 +2624,7 @@ class ConfaideConfig(SamplingFlags):
     """the output folder: config.json, rollouts/ (one file per chunk) and report.json, every answer"""
     max_new_tokens: int = opt(256, low=1)
     """the generation budget of each answer, in tokens (answers are sampled at --temperature)"""
-    tiers: str = "3,4"
+    tiers: Literal["3,4", "3", "4"] = "3,4"
     """the tiers to run, comma separated: tier 3's scenarios (FR, IA, PS), tier 4's meetings (MS, AI)"""
     num_cases: int = opt(0, low=0)
     """the first N items of each tier, 0 for all of them (270 scenarios, 20 meetings)"""
@@ -2616,23 +2662,6 @@ class JudgeConfig(JudgeFlags):
 # ----------------------------------------------------------------------------------------------
 # The command line
 # ----------------------------------------------------------------------------------------------
-
-
-def parse_ints(text, flag, count=None, allowed=None):
-    """'4,4,4' -> [4, 4, 4]: `count` comma-separated whole numbers (any count when None), each one of `allowed` (by
-    default any from 1 up)."""
-    allowed = allowed or range(1, 1 << 31)
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        values = []
-    wrong = [value for value in values if value not in allowed]
-    if not values or wrong or count not in (None, len(values)):
-        each = "1 or more"
-        if len(allowed) < 10:
-            each = " or ".join(map(str, allowed))
-        raise UsageError(f"{flag} {text!r}: expected {count or 'some'} comma-separated whole numbers, each {each}")
-    return values
 
 
 def check_bounds(cfg):
@@ -2693,8 +2722,8 @@ def build_parser():
     for name, (cls, command) in COMMANDS.items():
         sub = commands.add_parser(name, help=command.__doc__, description=command.__doc__)
         helps = {}
-        for group in reversed(cls.__mro__):
-            helps.update(field_help().get(group.__name__, {}))
+        for base in reversed(cls.__mro__):
+            helps.update(field_help().get(base.__name__, {}))
         for f in fields(cls):
             shown = " (default: %(default)s)"
             if f.default in ("", ()):

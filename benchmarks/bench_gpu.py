@@ -199,7 +199,7 @@ def rollout_figures(ctx, split, branching):
 
 
 def collect_stage(ctx):
-    ctx.figures["collect"] = rollout_figures(ctx, "train", privact.parse_ints(ctx.args.branching, "--branching", 3))
+    ctx.figures["collect"] = rollout_figures(ctx, "train", privact.parse_branching(ctx.args.branching, list(ROLES)))
     print(f"collect: {ctx.figures['collect']}", flush=True)
 
 
@@ -211,7 +211,7 @@ def eval_stage(ctx):
 def peers_stage(ctx):
     """bench_rollout's arms on --peer-cases train cases at collect's budgets: seconds per case each."""
     args = ctx.args
-    chain = privact.Chain(list(ROLES), privact.parse_ints(args.branching, "--branching", 3))
+    chain = privact.Chain(list(ROLES), privact.parse_branching(args.branching, list(ROLES)))
     cases = privact.load_cases("", "train", args.peer_cases)
     cfg = rollout_config(args, args.max_new_tokens)
     figures = {}
@@ -253,7 +253,7 @@ def synthetic_pairs(args):
     return pairs
 
 
-def train_run(ctx, name, path, policy):
+def train_run(ctx, name, path, policy, *more):
     """`privact.py train` on the pairs at `path` -> (its train_metrics.json, its peak memory in bytes: on a GPU the
     peak above what this process held before, on a CPU the process's)."""
     args = ctx.args
@@ -264,7 +264,7 @@ def train_run(ctx, name, path, policy):
     out = os.path.join(ctx.tmp, name)
     flags = ["--pairs", path, "--model", policy, "--out", out]
     flags += ["--batch-size", str(args.batch_size_train), "--grad-accum", "1", "--epochs", "1"]
-    flags += ["--max-length", str(args.max_length), "--mixed-precision", "bf16", "--save-every", "0"]
+    flags += ["--max-length", str(args.max_length), "--mixed-precision", "bf16", "--save-every", "0", *more]
     if privact.main(["train", *flags]) != 0:
         raise SystemExit("bench_gpu: train failed")
     if torch.cuda.is_available():
@@ -274,14 +274,9 @@ def train_run(ctx, name, path, policy):
     return privact.read_json(os.path.join(out, "train_metrics.json")), peak
 
 
-def one_pair_groups(examples):
-    """The per-pair arm: every pair a group of its own, one row [prompt | chosen | rejected] (bench_train.py's)."""
-    return [privact.Group(prompt, [chosen, rejected], [(0, 1)]) for prompt, chosen, rejected in examples]
-
-
 def train_stage(ctx):
     """pairs/s and peak memory of `privact.py train` on sibling groups (a row per group, as privact trains), then on
-    the same pairs one pair a row (the per-pair arm): the speedup of the groups at the paper's lengths."""
+    the same pairs one pair a row (the per-pair arm, --pairs-per-group 1): the speedup at the paper's lengths."""
     folder = ctx.tmp
     path = os.path.join(folder, "pairs_refiner.jsonl")
     privact.write_text(path, "".join(json.dumps(pair) + "\n" for pair in synthetic_pairs(ctx.args)))
@@ -293,12 +288,7 @@ def train_stage(ctx):
     metrics, peak = train_run(ctx, "grouped", path, policy)
     figures = {"pairs_per_s": round(metrics["history"][-1]["train/pairs_per_s"], 3), "peak_gib": round(peak / 2**30, 1)}
     figures["steps"] = metrics["step"]
-    real_groups = privact.group_pairs
-    privact.group_pairs = one_pair_groups
-    try:
-        metrics, peak = train_run(ctx, "per_pair", path, policy)
-    finally:
-        privact.group_pairs = real_groups
+    metrics, peak = train_run(ctx, "per_pair", path, policy, "--pairs-per-group", "1")
     figures["per_pair_pairs_per_s"] = round(metrics["history"][-1]["train/pairs_per_s"], 3)
     figures["per_pair_peak_gib"] = round(peak / 2**30, 1)
     figures["speedup_over_per_pair"] = round(figures["pairs_per_s"] / figures["per_pair_pairs_per_s"], 2)

@@ -5,12 +5,12 @@ with the release's protocol), four ways, on the same model, seed and budgets:
 - generate-batched:     what a user writes first: a level's prompts sorted by length, left-padded, one
                         model.generate(num_return_sequences=B) per batch of --batch-size sequences;
 - generate-per-prompt:  one model.generate(num_return_sequences=B) per prompt (per tree node, per judge prompt);
-- privact-per-prompt:   privact.generate with every prompt a group of its own: each prompt prefilled once,
+- privact-per-prompt:   privact.generate with every prompt a family of its own: each prompt prefilled once,
                         its B samples sharing that cache;
 - privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
-                        one level, a leaf's judge prompts) prefilled once per group.
+                        one level, a leaf's judge prompts) prefilled once per family.
 
-Each arm swaps privact.generate (or privact.prefix_groups) and calls rollout_chunk, which clocks the policy
+Each arm swaps privact.generate (or privact.prefix_families) and calls rollout_chunk, which clocks the policy
 and the judge apart. Sampling draws other trees in each arm; their shapes and budgets are the same, so the
 figures are per generated token. Also printed: every token the model processed per second (prompts,
 padding and finished rows included, counted by a hook on the model's forward) as a share of the most this
@@ -74,25 +74,25 @@ def plain_generate(model, tok, chats, decoding, cfg, per_prompt=False):
     return results
 
 
-def one_prompt_groups(prompts):
-    """privact.prefix_groups' shape with every prompt alone: prefill once per prompt, no cross-prompt sharing."""
+def one_prompt_families(prompts):
+    """privact.prefix_families' shape with every prompt alone: prefill once per prompt, no cross-prompt sharing."""
     return [[i] for i in range(len(prompts))]
 
 
 def run_arm(arm, cases, chain, models, cfg):
     """rollout_chunk with `arm`'s generation -> its counts (seconds and generated tokens of policy and judge)."""
-    real_generate, real_groups = privact.generate, privact.prefix_groups
+    real_generate, real_families = privact.generate, privact.prefix_families
     if arm == "generate-batched":
         privact.generate = plain_generate
     elif arm == "generate-per-prompt":
         privact.generate = lambda *a: plain_generate(*a, per_prompt=True)
     elif arm == "privact-per-prompt":
-        privact.prefix_groups = one_prompt_groups
+        privact.prefix_families = one_prompt_families
     try:
         torch.manual_seed(cfg.seed)
         _, counts = privact.rollout_chunk(cases, chain, models, cfg)
     finally:
-        privact.generate, privact.prefix_groups = real_generate, real_groups
+        privact.generate, privact.prefix_families = real_generate, real_families
     return counts
 
 
@@ -133,7 +133,7 @@ def main():
         args.model, args.max_new_tokens, args.judge_max_new_tokens = args.tiny, 8, 8
         args.cases, args.branching = 1, "1,2,2"
     arms = args.arms.split(",")
-    branching = privact.parse_ints(args.branching, "--branching", 3)
+    branching = privact.parse_branching(args.branching, ["generator", "verifier", "refiner"])
     cfg = privact.CollectConfig(
         model=args.model,
         batch_size=args.batch_size,
@@ -171,7 +171,7 @@ def main():
             f"{results[arm]['processed_share_of_ceiling']:.0%} of {ceiling:.0f}",
             flush=True,
         )
-    # each arm against the first (what a user writes), and the prefix groups against prefill-once-per-prompt
+    # each arm against the first (what a user writes), and the prefix families against prefill-once-per-prompt
     comparisons = [(arms[0], arm) for arm in arms[1:]]
     if "privact" in arms and "privact-per-prompt" in arms:
         comparisons.append(("privact-per-prompt", "privact"))

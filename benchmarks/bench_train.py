@@ -8,8 +8,9 @@ learning rate, float32, gradient checkpointing on all sides (the default of both
 
 - privact: `privact.py train` as its users run it: one row per sibling group, [prompt | r1 | ... | r4], each
   response scored once per step by the policy and once per epoch by the reference;
-- privact-per-pair (this benchmark's ablation, not a privact flag): the same code with every pair a group of its own,
-  one row [prompt | chosen | rejected] per pair, as privact packed pairs before it grouped them;
+- privact-per-pair: `privact.py train --pairs-per-group 1`, every pair a group of its own, one row
+  [prompt | chosen | rejected] per pair: each step's pairs from as many nodes as it holds pairs, as the release's
+  pair shuffle draws them;
 - trl: TRL's DPOTrainer, a frozen reference copy beside the policy (its default, the release's setting), chosen and
   rejected as two rows, each with the whole prompt.
 
@@ -20,6 +21,14 @@ recomputation under checkpointing, and a backward at twice a forward), over the 
 [1, 2048] row on this CPU. Then the ratios, and one JSON line.
 
     python benchmarks/bench_train.py
+    python benchmarks/bench_train.py --gradient-noise [--pairs runs/x/pairs_refiner.jsonl]
+
+--gradient-noise measures what a step of whole groups costs in gradient noise instead: each pair's DPO gradient at
+the starting weights (where it is -beta/2 times the gradient of log pi(chosen) - log pi(rejected)), every 32nd
+coordinate of every parameter kept; the correlation rho of two centred pair gradients of one node against their
+variance; and, for --pairs-per-group 0 (whole groups), 2 and 1, the steps an epoch takes at privact's defaults (8
+pairs x 4 a step), the mean pairs a step, and the variance of a step's mean gradient against a step of as many pairs
+drawn apart, 1 + (m - 1) rho for rows of m pairs (m weighted by pairs). On the synthetic pairs, or on --pairs.
 
 TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it the two privact arms
 run alone. TRL's micro-batch holds --trl-batch-size pairs (its rows take far more memory than privact's), with the
@@ -106,18 +115,49 @@ def forward_ceiling(model_name, length=2048):
     return best
 
 
-def one_pair_groups(examples):
-    """privact-per-pair: every pair a group of its own, one row [prompt | chosen | rejected]."""
-    return [privact.Group(prompt, [chosen, rejected], [(0, 1)]) for prompt, chosen, rejected in examples]
+def gradient_noise(args, rows):
+    """Each pair's gradient at the starting weights and the noise a step of grouped pairs carries (module docstring)."""
+    import torch
+
+    model, tok = privact.load_model(args.model)
+    examples, _ = privact.tokenize_pairs(tok, rows, 10**6)
+    gradients = []
+    nodes = []
+    for node, group in enumerate(privact.group_pairs(examples)):
+        for chosen, rejected in group.pairs:
+            single = privact.Group(group.prompt, [group.responses[chosen], group.responses[rejected]], [(0, 1)])
+            model.zero_grad()
+            logps = privact.response_logps(model, privact.collate_groups([single], tok.pad_token_id))
+            (logps[0] - logps[1]).backward()
+            gradients.append(torch.cat([parameter.grad.flatten()[::32] for parameter in model.parameters()]))
+            nodes.append(node)
+    centred = torch.stack(gradients)
+    centred -= centred.mean(0)
+    gram = centred @ centred.T
+    same_node = torch.tensor(nodes)[:, None] == torch.tensor(nodes)[None, :]
+    same_node.fill_diagonal_(False)
+    rho = (gram[same_node].mean() / gram.diagonal().mean()).item()
+    result = {"pairs": len(nodes), "nodes": len(set(nodes)), "rho": round(rho, 4), "settings": {}}
+    start = {"step": 0, "epoch": 0, "groups": 0}
+    for most in (0, 2, 1):
+        groups = privact.group_pairs(examples, most)
+        sizes = [len(group.pairs) for group in groups]
+        rows_m = sum(size * size for size in sizes) / sum(sizes)
+        steps = privact.plan_steps(groups, "refiner", start, privact.TrainConfig(epochs=1))
+        setting = {"steps_an_epoch": len(steps), "pairs_a_step": round(sum(sizes) / len(steps), 1)}
+        setting["variance_vs_pairs_apart"] = round(1 + (rows_m - 1) * rho, 2)
+        result["settings"][f"--pairs-per-group {most}"] = setting
+        print(f"--pairs-per-group {most}: {setting}", flush=True)
+    print(json.dumps({"bench": "gradient_noise", "args": vars(args), "cpu": cpu_name(), **result}))
 
 
 def run_privact(args, pairs, out):
-    if args.child == "privact-per-pair":
-        privact.group_pairs = one_pair_groups
     flags = ["train", "--pairs", pairs, "--model", args.model, "--out", out, "--seed", "0", "--save-every", "0"]
     flags += ["--batch-size", args.batch_size, "--grad-accum", args.grad_accum, "--epochs", args.epochs]
     # every pair whole, as TRL at max_length=None
     flags += ["--beta", "0.4", "--lr", args.lr, "--mixed-precision", "no", "--max-length", 10**6]
+    if args.child == "privact-per-pair":
+        flags += ["--pairs-per-group", 1]
     if privact.main([str(flag) for flag in flags]):
         sys.exit("privact train failed")
     return privact.read_json(os.path.join(out, "train_metrics.json"))["pairs"]
@@ -173,41 +213,8 @@ def child(args):
     print("RESULT " + json.dumps(result))
 
 
-def main():
-    ap = common.parser(__doc__, data="", model="smollm2")
-    ap.add_argument("--groups", type=int, default=4, help="sibling groups of 4 responses, one per train case")
-    ap.add_argument("--batch-size", type=int, default=4, help="privact's pairs per micro-batch (whole groups)")
-    ap.add_argument("--grad-accum", type=int, default=2, help="privact's micro-batches per optimizer step")
-    ap.add_argument(
-        "--trl-batch-size",
-        type=int,
-        default=2,
-        help="TRL's pairs per micro-batch; its accumulation makes the same pairs per step as privact's",
-    )
-    ap.add_argument("--epochs", type=int, default=2, help="epochs over the pairs, every trainer")
-    ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, every trainer")
-    ap.add_argument(
-        "--trainers", default=",".join(TRAINERS), help=f"which to run, comma separated (default: {','.join(TRAINERS)})"
-    )
-    ap.add_argument("--pairs", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
-    tmp = tempfile.mkdtemp()
-    # TRL reads the config again from the path: every trainer gets a plain transformers folder
-    args.model = privact.model_source(args.model)
-    args.pairs = os.path.join(tmp, "pairs_refiner.jsonl")
-    rows = make_pairs(args.data, args.groups, args.pairs)
-    tokens, groups = row_tokens(args, rows)
-    trainers = args.trainers.split(",")
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        print("TRL is not installed (pip install trl): measuring privact alone")
-        trainers = [name for name in trainers if name != "trl"]
-    ceiling = forward_ceiling(args.model)
-    print(f"{len(rows)} pairs in {groups} groups; one forward of [1, 2048]: {ceiling:.0f} tokens/s", flush=True)
+def run_trainers(args, trainers, tokens, ceiling):
+    """Each trainer in a process of its own -> {trainer: its figures}."""
     results = {}
     for name in trainers:
         command = [sys.executable, __file__, "--child", name, *sys.argv[1:], "--pairs", args.pairs]
@@ -228,6 +235,49 @@ def main():
             f"{result['share_of_ceiling']:.0%} of the CPU's forward rate",
             flush=True,
         )
+    return results
+
+
+def main():
+    ap = common.parser(__doc__, data="", model="smollm2")
+    ap.add_argument("--groups", type=int, default=4, help="sibling groups of 4 responses, one per train case")
+    ap.add_argument("--batch-size", type=int, default=4, help="privact's pairs per micro-batch (whole groups)")
+    ap.add_argument("--grad-accum", type=int, default=2, help="privact's micro-batches per optimizer step")
+    ap.add_argument(
+        "--trl-batch-size",
+        type=int,
+        default=2,
+        help="TRL's pairs per micro-batch; its accumulation makes the same pairs per step as privact's",
+    )
+    ap.add_argument("--epochs", type=int, default=2, help="epochs over the pairs, every trainer")
+    ap.add_argument("--lr", type=float, default=5e-7, help="learning rate, every trainer")
+    ap.add_argument(
+        "--trainers", default=",".join(TRAINERS), help=f"which to run, comma separated (default: {','.join(TRAINERS)})"
+    )
+    ap.add_argument("--gradient-noise", action="store_true", help="measure a grouped step's gradient noise instead")
+    ap.add_argument("--pairs", default="", help="a pairs file for --gradient-noise (default: the synthetic pairs)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args)
+    tmp = tempfile.mkdtemp()
+    # TRL reads the config again from the path: every trainer gets a plain transformers folder
+    args.model = privact.model_source(args.model)
+    if args.gradient_noise:
+        rows = privact.read_json(args.pairs) if args.pairs else make_pairs(args.data, args.groups, f"{tmp}/pairs.jsonl")
+        return gradient_noise(args, rows)
+    args.pairs = os.path.join(tmp, "pairs_refiner.jsonl")
+    rows = make_pairs(args.data, args.groups, args.pairs)
+    tokens, groups = row_tokens(args, rows)
+    trainers = args.trainers.split(",")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print("TRL is not installed (pip install trl): measuring privact alone")
+        trainers = [name for name in trainers if name != "trl"]
+    ceiling = forward_ceiling(args.model)
+    print(f"{len(rows)} pairs in {groups} groups; one forward of [1, 2048]: {ceiling:.0f} tokens/s", flush=True)
+    results = run_trainers(args, trainers, tokens, ceiling)
     summary = {"bench": "train", "args": vars(args), "cpu": cpu_name(), "pairs": len(rows), "groups": groups}
     summary.update(ceiling_tokens_per_s=round(ceiling), **results)
     summary["versions"] = privact.provenance()["versions"]
