@@ -638,19 +638,17 @@ def group_pairs(examples, most=0):
     by_prompt = {}
     for prompt, chosen, rejected in examples:
         by_prompt.setdefault(tuple(prompt), []).append((chosen, rejected))
-    cuts = []
-    for prompt, pairs in by_prompt.items():
-        size = most or len(pairs)
-        for first in range(0, len(pairs), size):
-            cuts.append((list(prompt), pairs[first : first + size]))
     groups = []
-    for prompt, pairs in cuts:
-        responses = []
-        for response in itertools.chain.from_iterable(pairs):
-            if response not in responses:
-                responses.append(response)
-        indices = [(responses.index(chosen), responses.index(rejected)) for chosen, rejected in pairs]
-        groups.append(Group(prompt, responses, indices))
+    for prompt, node_pairs in by_prompt.items():
+        size = most or len(node_pairs)
+        for first in range(0, len(node_pairs), size):
+            pairs = node_pairs[first : first + size]
+            responses = []
+            for response in itertools.chain.from_iterable(pairs):
+                if response not in responses:
+                    responses.append(response)
+            indices = [(responses.index(chosen), responses.index(rejected)) for chosen, rejected in pairs]
+            groups.append(Group(list(prompt), responses, indices))
     return groups
 
 
@@ -1394,9 +1392,7 @@ def prefill(model, prompts, family_of, pad_id, room):
     """
     width = max(map(len, prompts))
     starts = [width - len(prompt) for prompt in prompts]
-    rows = []
-    for start, prompt in zip(starts, prompts, strict=True):
-        rows.append([pad_id] * start + prompt)
+    rows = [[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)]
     ids = torch.tensor(rows).to(model.device)
     real = torch.arange(width) >= torch.tensor(starts)[:, None]  # [n, W]: not padding
     mask = real.long().to(model.device)
@@ -1440,17 +1436,15 @@ def write_prefix(model, cache, prefix, rows, starts):
     prefix_ids = torch.tensor([prefix], device=model.device)
     model(input_ids=prefix_ids, cache=alone, logits_to_keep=1)
     for static, layer in zip(cache.layers, alone.layers, strict=True):
-        # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim]
-        keys = layer.keys[0]
-        values = layer.values[0]
+        # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim], written into one row
         if not static.is_initialized:
             all_rows = layer.keys.expand(len(starts), -1, -1, -1)
             static.lazy_initialization(all_rows, layer.values)
         for row in rows:
             start = starts[row]
             columns = slice(start, start + len(prefix))
-            static.keys[row, :, columns] = keys
-            static.values[row, :, columns] = values
+            static.keys[row, :, columns] = layer.keys
+            static.values[row, :, columns] = layer.values
 
 
 @torch.inference_mode()
@@ -1575,11 +1569,9 @@ def forced_verdicts(model, tok, chats, words, cfg):
     parsers. SmolLM2-135M's likeliest word is "Yes" and "Excellent" on every prompt: drawn, its verdicts vary,
     enough for the quick start to show the pipeline (not the method)."""
     firsts = [tok(word, add_special_tokens=False)["input_ids"][0] for word in words]
-
-    def only_the_words(row, ids):
-        return firsts
-
-    decoding = Decoding(max_new_tokens=1, temperature=cfg.temperature, prefix="Answer: ", allowed=only_the_words)
+    decoding = Decoding(
+        max_new_tokens=1, temperature=cfg.temperature, prefix="Answer: ", allowed=lambda row, ids: firsts
+    )
     completions = generate(model, tok, chats, decoding, cfg)
     verdicts = []
     for (completion,) in completions:
@@ -1815,15 +1807,15 @@ def missing_chunks(keys, done, chunk_cases):
 
 
 def process_state():
-    """accelerate's state of this process among those launched, made as accelerate's Accelerator makes it: on CPUs
-    (ACCELERATE_USE_CPU=1, as `accelerate launch --cpu` sets) over gloo. A state made before privact's that spans
-    fewer processes than were launched (a PartialState() on CPUs, made without cpu=True) would have every process
-    do all the work alone: refused."""
+    """accelerate's state of this process, made as its Accelerator makes it (on CPUs: ACCELERATE_USE_CPU=1). One
+    made earlier that spans fewer processes than were launched would have each do all the work alone: refused."""
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     launched = int(os.environ.get("WORLD_SIZE", state.num_processes))
     if state.num_processes != launched:
-        span = f"accelerate's state, made before privact's, spans {state.num_processes}"
-        raise UsageError(f"{launched} processes were launched but {span}: on CPUs, make it PartialState(cpu=True)")
+        raise UsageError(
+            f"{launched} processes were launched but accelerate's state, made before privact's, spans "
+            f"{state.num_processes}: on CPUs, make it PartialState(cpu=True)"
+        )
     return state
 
 
@@ -1831,9 +1823,8 @@ def run_chunks(cfg, keys, paths, work, judge_url=""):
     """Compute the records of `keys` that <out>/rollouts/ lacks, chunk by chunk on all processes, by work(models,
     keys) -> (records, counts); each chunk is written as one file by rename, so a kill leaves only whole chunks.
     Chunk g reseeds from (seed, g): its samples depend neither on the number of processes nor on how far a killed
-    run got. `paths` (role -> model name) load on a process only when it has work, the judge's as its tokenizer alone
-    where `judge_url` serves it; config.json, checked first, is written once they have loaded. -> on the main process,
-    once every process has written its chunks, the records of `keys` in their order (read_records); elsewhere None."""
+    run got. `paths` (role -> model name) load on a process only when it has work, the judge's tokenizer alone where
+    `judge_url` serves it. -> on the main process, once all are done, the records of `keys` in order; elsewhere None."""
     state = process_state()
     if cfg.dtype == "auto":
         # the paper's bfloat16 on a GPU
@@ -1861,9 +1852,7 @@ def run_chunks(cfg, keys, paths, work, judge_url=""):
         name = f"{keys.index(chunk_keys[0]):06d}.json"
         write_json(os.path.join(rollouts, name), {"counts": counts, "records": records})
     state.wait_for_everyone()
-    if state.is_main_process:
-        return read_records(cfg.out, keys)
-    return None
+    return read_records(cfg.out, keys) if state.is_main_process else None
 
 
 def rollout_chunk(cases, chain, models, cfg):
@@ -1884,13 +1873,10 @@ def rollout_chunk(cases, chain, models, cfg):
         "judge_seconds": time.perf_counter() - judging,
         "judge_tokens": judge_tokens,
     }
-    sampled_with = {}
-    for role in chain.roles:
-        sampled_with[role] = tokenizer_fingerprint(models[role][1])
+    sampled_with = {role: tokenizer_fingerprint(models[role][1]) for role in chain.roles}
     records = []
     for root, case in zip(roots, cases, strict=True):
-        record = {"case": case["name"], "tree": root, "sampled_with": sampled_with}
-        records.append(record)
+        records.append({"case": case["name"], "tree": root, "sampled_with": sampled_with})
     return records, counts
 
 
@@ -2142,9 +2128,8 @@ def log_step(run, step, lr, grad_norm, sums):
     progress["pairs"] += step.pairs
     progress["seconds"] = time.time() - run.started
     row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
-    names = list(sums)
-    totals = run.accelerator.reduce(torch.stack([sums[name] for name in names]), "sum")
-    for name, total in zip(names, totals.tolist(), strict=True):
+    totals = run.accelerator.reduce(torch.stack(list(sums.values())), "sum")
+    for name, total in zip(sums, totals.tolist(), strict=True):
         row[f"train/{name}"] = total / step.pairs
     if grad_norm is not None:
         row["train/grad_norm"] = float(grad_norm)
@@ -2166,8 +2151,7 @@ def save_state(run):
         write_json(os.path.join(draft, "progress.json"), run.progress)
         write_json(os.path.join(draft, "flags.json"), run.flags)
         os.replace(draft, folder)
-        states = glob.glob(os.path.join(run.out + ".state", "step-*"))
-        for old in set(states) - {folder}:
+        for old in set(glob.glob(os.path.join(run.out + ".state", "step-*"))) - {folder}:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
@@ -2348,9 +2332,7 @@ def confaide_chunk(cfg, items, models, keys):
             record["tasks"].append(task)
             tasks.append((task, item))
         records.append(record)
-    chats = []
-    for task, _ in tasks:
-        chats.append([{"role": "user", "content": task["prompt"]}])
+    chats = [[{"role": "user", "content": task["prompt"]}] for task, _ in tasks]
     decoding = Decoding(samples=cfg.samples, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
     answers = generate(model, tok, chats, decoding, cfg)
     for (task, item), samples in zip(tasks, answers, strict=True):
@@ -2759,10 +2741,9 @@ def main(argv=None):
         return 130
     except torch.OutOfMemoryError:
         # every finished chunk (train: the last saved state) is on disk
+        advice = "rerun the same command with a smaller --batch-size to resume"
         print(
-            f"privact {args.command}: error: out of memory at --batch-size {cfg.batch_size}: rerun the same command "
-            "with a smaller --batch-size to resume",
-            file=sys.stderr,
+            f"privact {args.command}: error: out of memory at --batch-size {cfg.batch_size}: {advice}", file=sys.stderr
         )
         return 2
     finally:
