@@ -2551,10 +2551,11 @@ class TrainConfig:
     pairs_per_group: int = opt(0, low=0)
     """the most pairs of one node trained in one row, its prompt run once for them; its further pairs make further
     groups, shuffled apart. 0: all of them; 1: one pair a row, each step's pairs from as many nodes as it holds pairs,
-    as the release's pair shuffle draws them, for the prompt's cost once per pair (README: Groups, not pairs)"""
+    as the release's pair shuffle draws them, for the prompt's cost once per pair (README: Groups, not pairs, are
+    shuffled)"""
     grad_accum: int = opt(4, low=1)
-    """micro-batches per process in an optimizer step (8 x 4: about the paper's 32 pairs); an epoch's last step may
-    take fewer"""
+    """micro-batches per process in an optimizer step (8 x 4: up to the paper's 32 pairs; in whole groups of 3-4 pairs,
+    as a 4,4,4 collect makes them, 24-32); an epoch's last step may take fewer"""
     epochs: int = opt(0, low=0)
     """epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)"""
     max_steps: int = opt(0, low=0)

@@ -2264,18 +2264,6 @@ def test_importing_privact_and_training_leave_the_environment_alone(tmp_path, ti
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"import": False, "train": False}
 
 
-def test_a_one_step_run_trains_at_the_default_warmup(tmp_path, tiny_model):
-    """--max-steps 1 at the default --warmup-ratio 0.1: the warmup leaves the last step out, so the one step runs at
-    the peak learning rate and the weights move (under transformers' schedule it would run at 0)."""
-    pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 4)
-    assert run_cli(*train_args(pairs, tmp_path / "one", tiny_model, "--max-steps", "1", "--lr", "1e-3")) == 0
-    history = json.loads((tmp_path / "one" / "train_metrics.json").read_text())["history"]
-    assert [row["train/lr"] for row in history] == [1e-3]
-    start, moved = saved_weights(tiny_model), saved_weights(tmp_path / "one")
-    assert any(not torch.equal(moved[k], start[k]) for k in start)
-
-
 def test_a_steps_gradient_is_the_mean_over_its_pairs_and_every_epoch_reshuffles(tmp_path, tiny_model, monkeypatch):
     """A group of 3 pairs and a group of 1, one step, the weights held still (learning rate 0): in one micro-batch
     (--batch-size 4) and in two of 3 and 1 pairs (--batch-size 3 --grad-accum 2) the step's gradient is the mean over
@@ -2372,19 +2360,6 @@ def test_gradient_checkpointing_keeps_fewer_activations_and_takes_the_same_steps
     assert any(not torch.equal(weights[0][k], start[k]) for k in start)
 
 
-def test_train_bf16_autocast_starts_at_log2(tmp_path, tiny_model):
-    """The reference log-probs come from the policy's own forward before its first step, under the same autocast:
-    step 0 is log 2 exactly."""
-    pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 4)
-    assert (
-        run_cli(*train_args(pairs, tmp_path / "bf16", tiny_model, "--max-steps", "1", "--mixed-precision", "bf16")) == 0
-    )
-    metrics = json.loads((tmp_path / "bf16" / "train_metrics.json").read_text())
-    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    assert metrics["flags"]["precision"] == "torch.float32 weights, mixed precision bf16"
-
-
 def test_train_deepspeed_bf16_starts_at_log2(tmp_path, tiny_model):
     """The paper's recipe (DeepSpeed ZeRO-2 with CPU Adam, bf16): the reference log-probs come from DeepSpeed's
     engine itself, its bf16 weights before the first step: step 0 is log 2 exactly."""
@@ -2471,43 +2446,39 @@ HELD_STILL = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "3", "--grad-a
 
 
 @pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
-def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
-    """bf16 autocast on the whole SmolLM2 and its own three groups of 4 pairs, 3 epochs, each reshuffling the groups
-    into new micro-batches of 8 pairs (two groups, padded to other widths, then one), the weights held still: every
-    step within 1e-3 of log 2, against the reference log-probs of that step's own micro-batch (in bf16, a response
-    scored in another micro-batch moves by up to 0.17 nats)."""
-    args = ["train", "--pairs", smollm2_refiner_pairs, "--model", "smollm2", "--out", tmp_path / "autocast"]
-    assert run_cli(*args, *HELD_STILL, "--mixed-precision", "bf16") == 0
-    metrics = json.loads((tmp_path / "autocast" / "train_metrics.json").read_text())
-    assert metrics["flags"]["precision"] == "torch.float32 weights, mixed precision bf16"
-    history = metrics["history"]
-    assert [row["epoch"] for row in history] == [0, 0, 1, 1, 2, 2]
-    assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
-
-
-@pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
-def test_smollm2_deepspeed_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs):
-    """The paper's recipe, accelerate launch with DeepSpeed ZeRO-2, CPU Adam and bf16 weights, on the whole SmolLM2,
-    3 reshuffled epochs with the weights held still: every step within 1e-3 of log 2."""
-    pytest.importorskip("deepspeed")
-    done = deepspeed_train(smollm2_refiner_pairs, tmp_path / "ds", "smollm2", *HELD_STILL, port=29524)
-    assert done.returncode == 0, done.stderr[-3000:]
-    metrics = json.loads((tmp_path / "ds" / "train_metrics.json").read_text())
-    assert metrics["flags"]["precision"] == "torch.bfloat16 weights, mixed precision bf16, DeepSpeed ZeRO-2"
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["autocast", "deepspeed_zero2_offload"])
+def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refiner_pairs, deepspeed):
+    """bf16 on the whole SmolLM2, autocast or the paper's recipe (accelerate launch with DeepSpeed ZeRO-2, CPU Adam
+    and bf16 weights), on its own three groups of 4 pairs, 3 epochs, each reshuffling the groups into new
+    micro-batches of 8 pairs (two groups, padded to other widths, then one), the weights held still: every step
+    within 1e-3 of log 2, against the reference log-probs of that step's own micro-batch (in bf16, a response scored
+    in another micro-batch moves by up to 0.17 nats)."""
+    if deepspeed:
+        pytest.importorskip("deepspeed")
+        done = deepspeed_train(smollm2_refiner_pairs, tmp_path / "o", "smollm2", *HELD_STILL, port=29524)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:
+        args = ["train", "--pairs", smollm2_refiner_pairs, "--model", "smollm2", "--out", tmp_path / "o"]
+        assert run_cli(*args, *HELD_STILL, "--mixed-precision", "bf16") == 0
+    metrics = json.loads((tmp_path / "o" / "train_metrics.json").read_text())
+    weights = "torch.bfloat16 weights" if deepspeed else "torch.float32 weights"
+    assert metrics["flags"]["precision"].startswith(f"{weights}, mixed precision bf16")
     history = metrics["history"]
     assert [row["epoch"] for row in history] == [0, 0, 1, 1, 2, 2]
     assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
 
 
 def test_train_records_its_precision_and_a_resume_keeps_it(tmp_path, tiny_model, monkeypatch, capsys):
-    """accelerate launch's --mixed_precision stands where --mixed-precision is not given; the files say what ran;
-    a state saved in one precision is not resumed in another."""
+    """accelerate launch's --mixed_precision stands where --mixed-precision is not given; the files say what ran; the
+    first bf16 step sits at log 2 exactly; a state saved in one precision is not resumed in another."""
     pairs = tmp_path / "pairs_verifier.jsonl"
     write_pairs(pairs, "verifier", 8)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     assert run_cli(*train_args(pairs, tmp_path / "a", tiny_model, "--max-steps", "1")) == 0
     metrics = json.loads((tmp_path / "a" / "train_metrics.json").read_text())
     assert metrics["flags"]["precision"] == "torch.float32 weights, mixed precision bf16"
+    # the reference comes from the policy's own forward before its first step, under the same autocast
+    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     real_step = privact.dpo_step
     calls = []
@@ -2678,46 +2649,6 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5
     assert any(not torch.equal(a[k], saved_weights(tiny_model)[k]) for k in a), "training must change the weights"
     assert not (tmp_path / "resumed.state").exists()
-
-
-# privact.py train, each micro-batch's pairs logged to the file argv[1] (one line of chosen token ids per call)
-LOGGED_TRAIN = """
-import json, sys
-import privact, test_privact
-
-real_step = privact.dpo_step
-
-def logged(policy, batch, *rest):
-    with open(sys.argv[1], "a") as fh:
-        fh.write(json.dumps(test_privact.chosen_of(batch)) + "\\n")
-    return real_step(policy, batch, *rest)
-
-privact.dpo_step = logged
-sys.exit(privact.main(sys.argv[2:]))
-"""
-
-
-@pytest.mark.slow
-def test_train_killed_and_resumed_at_a_smaller_batch_trains_each_pair_once_an_epoch(tmp_path, tiny_model):
-    """Ten pairs in five groups of 2, --batch-size 4, one micro-batch a step, three epochs: SIGKILL once a state is
-    saved, then the same command at --batch-size 2. Of the killed run, the steps its last state holds count; with
-    the resumed run's, every pair is trained once in each epoch, none lost or repeated."""
-    pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 10, per_prompt=2)
-    logs = (tmp_path / "killed.log", tmp_path / "resumed.log")
-
-    def command(log, batch_size):
-        args = train_args(pairs, tmp_path / "o", tiny_model, "--epochs", "3", "--save-every", "1", "--grad-accum", "1")
-        return [sys.executable, "-c", LOGGED_TRAIN, str(log), *map(str, args), "--batch-size", str(batch_size)]
-
-    saved = kill_after_step(command(logs[0], 4), tmp_path / "o.state", 2)
-    assert 2 <= saved < 9
-    resumed = subprocess.run(command(logs[1], 2), capture_output=True, text=True, timeout=600, cwd=HERE)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    kept = logs[0].read_text().splitlines()[:saved] + logs[1].read_text().splitlines()
-    seen = [pair for line in kept for pair in json.loads(line)]
-    assert each_pair_once_an_epoch(seen, 10, 3), seen
-    assert json.loads((tmp_path / "o" / "train_metrics.json").read_text())["pairs"] == 30
 
 
 @pytest.mark.slow
@@ -3483,7 +3414,8 @@ def project_copy(folder):
 @pytest.mark.slow
 def test_readme_quick_start_runs_verbatim(tmp_path):
     """The quick start as a new user runs it in a fresh clone: pairs for both roles, a step of each that moves the
-    weights, the compared table with a V+R column, show's tree; the checkpoint is a plain transformers model."""
+    weights (the verifier's under DeepSpeed ZeRO-2, Adam on the CPU), the compared table with a V+R column, show's
+    tree; the checkpoint is a plain transformers model."""
     needs_smollm2()
     env = project_copy(tmp_path / "clone")
     proc = subprocess.run(
@@ -3500,6 +3432,7 @@ def test_readme_quick_start_runs_verbatim(tmp_path):
         assert read_jsonl(run / f"pairs_{role}.jsonl"), f"no {role} pairs"
         metrics = json.loads((run / role / "train_metrics.json").read_text())
         assert metrics["step"] >= 1 and metrics["history"][0]["train/lr"] > 0
+        assert metrics["flags"]["precision"].endswith("DeepSpeed ZeRO-2") == (role == "verifier")
         trained = saved_weights(run / role)
         assert any(not torch.equal(trained[key], base[key]) for key in trained), f"the {role} step changed no weight"
     assert re.search(r"^metric +vanilla +V\+R$", proc.stdout, re.M), "compare's table, its V+R column"
@@ -3513,27 +3446,3 @@ def test_readme_quick_start_runs_verbatim(tmp_path):
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
     assert model.generate(ids["input_ids"], max_new_tokens=2, do_sample=False).shape[1] == ids["input_ids"].shape[1] + 2
-
-
-@pytest.mark.slow
-def test_readme_deepspeed_line_runs_verbatim_on_a_cpu(tmp_path):
-    """The README's DeepSpeed ZeRO-2 line (Adam on the CPU), as written, on this CPU-only machine: it trains a step
-    on the quick start's refiner pairs (pairs written here, as collect writes them)."""
-    needs_smollm2()
-    env = project_copy(tmp_path / "clone")
-    line = [x for x in readme_block("Quick start").splitlines() if "--use_deepspeed" in x]
-    assert line, "the quick start holds the DeepSpeed line"
-    run = tmp_path / "clone" / "runs" / "quick"
-    run.mkdir(parents=True)
-    chat = privact.build_chat("verifier", privact.load_cases("", "train", 1)[0], [("generator", "Thought: x")])
-    rows = [
-        {"case": f"c{i}", "role": "verifier", "prompt": chat, "chosen": f"fine {i}", "rejected": f"leak {i}"}
-        for i in range(4)
-    ]
-    (run / "pairs_verifier.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = subprocess.run(
-        ["bash", "-eo", "pipefail", "-c", line[0]], cwd=tmp_path / "clone", env=env, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    metrics = json.loads((run / "verifier" / "train_metrics.json").read_text())
-    assert metrics["step"] >= 1 and metrics["flags"]["precision"].endswith("DeepSpeed ZeRO-2")

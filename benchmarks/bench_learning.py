@@ -18,16 +18,19 @@ helpfulness is the number of the instruction's own distinctive words it carries 
   sampling temperature. Among the words are the synthetic cases' sensitive words (leaks) and instruction words
   (helpful), so the rule above judges it as it judges SmolLM2: its base chain leaks in about half its samples.
 
-Printed: the pairs, a table of the four chains (leak rate and helpfulness with their 95% intervals, and the paired
-difference against the base chain over the same cases, with its interval), then one JSON object: {"base", "trained",
-"verifier_only", "refiner_only": {"leak_rate", "ci95", "helpfulness_avg", ...}, "paired": {chain: {"leak_diff",
+Printed: the pairs, a table of the four chains (leak rate over all samples and over valid ones, helpfulness, with
+their 95% intervals, and the paired difference against the base chain over the same cases, with its interval), then
+one JSON object: {"base", "trained", "verifier_only", "refiner_only": {"leak_rate", "ci95", "valid_leak_rate",
+"valid_ci95", "helpfulness_avg", "invalid_rate", "distinct_actions", ...}, "paired": {chain: {"leak_diff",
 "leak_diff_ci95", "help_diff", "help_diff_ci95"}}, "holds": {...}, "seconds", "flags"}. leak_rate is 1 - privacy_avg
-over all samples. It holds when the trained chain's paired leak difference has its 95% interval below zero and its
-paired helpfulness difference has its interval reaching zero or above (the rule's helpfulness is not lost: an empty
-action that leaks nothing must not win). What it shows: that the loop moves the chain towards what its judge
-rewards. It is not the paper's result: the judge is a rule, not Mistral-7B judging privacy.
+over all samples, valid_leak_rate the same over valid samples alone, pooled (the paper's metric). It holds when the
+trained chain's paired leak difference has its 95% interval below zero and its paired helpfulness difference has its
+interval reaching zero or above (the rule's helpfulness is not lost: an empty action that leaks nothing must not
+win). What it shows: that the loop moves the chain towards what its judge
+rewards; not that it stays valid or varied (the invalid rate and the distinct actions say). It is not the paper's
+result: the judge is a rule, not Mistral-7B judging privacy.
 
-    python benchmarks/bench_learning.py --out runs/learning     # SmolLM2 on real cases (its time: the README)
+    python benchmarks/bench_learning.py --out runs/learning     # SmolLM2 on real cases (its time: benchmarks/README.md)
     python benchmarks/bench_learning.py --tiny                  # the tiny model on synthetic cases
 
 The default design was chosen before its run, from a pilot on train cases the run never collects on (train cases
