@@ -981,7 +981,7 @@ def test_packed_row_of_the_worked_example():
     batch = privact.collate_groups([first, second], pad)
     assert batch["input_ids"].tolist() == [[p0, p1, a0, b0, b1, c0, pad], [p0, p1, p0, c0, c0, b0, b1]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 2, 6], [0, 1, 2, 3, 4, 3, 4]]
-    width = 7  # row 1's position t is 7 + t
+    # row 1's position t is 7 + t
     assert batch["response_at"].tolist() == [[1, 2, 0], [1, 3, 4], [1, 5, 0], [9, 10, 11], [9, 12, 13]]
     assert batch["labels"].tolist() == [
         [-100, a0, -100],
@@ -1000,7 +1000,7 @@ def test_packed_row_of_the_worked_example():
         [1, 1, 0, 1, 1, 0],
         [1, 1, 0, 0, 0, 1],
     ]
-    assert batch["attention_mask"].shape == (2, 1, width, width) and batch["attention_mask"].dtype == torch.bool
+    assert batch["attention_mask"].shape == (2, 1, 7, 7) and batch["attention_mask"].dtype == torch.bool
 
 
 def plain_logp(model, prompt, response):
@@ -1023,7 +1023,7 @@ def test_packed_rows_score_each_response_as_alone(tiny_model):
         got = privact.response_logps(model, privact.collate_groups(groups, tok.pad_token_id))
         want = [plain_logp(model, group.prompt, response) for group in groups for response in group.responses]
     assert got.tolist() == pytest.approx(torch.stack(want).tolist(), abs=1e-4)
-    # eager attention adds the mask's ones and zeros to its scores, flash attention ignores the mask: only sdpa runs
+    # eager attention adds the mask to its scores, flash attention ignores it: only sdpa runs
     model.config._attn_implementation = "eager"
     with pytest.raises(privact.UsageError, match="packed rows need the model loaded with attn_implementation='sdpa'"):
         privact.response_logps(model, privact.collate_groups(groups, tok.pad_token_id))
