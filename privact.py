@@ -552,9 +552,10 @@ def parse_taus(text, roles):
             tau = float(value)
         except ValueError:
             tau = math.nan
+        if role not in roles:
+            raise UsageError(f"--tau {text!r}: {role!r} is no role of the chain {','.join(roles)}")
         # false for NaN too
-        valid = role in roles and -1 <= tau <= 1
-        if not valid:
+        if not -1 <= tau <= 1:
             raise UsageError(
                 f"--tau {text!r}: expected role=number, each number from -1 to 1, e.g. verifier=0.5,refiner=0.5"
             )
@@ -621,34 +622,28 @@ def pairs_from_records(records, taus, reward):
 
 
 class Group(NamedTuple):
-    """Pairs that share a prompt and train in one row: the sibling pairs of one node (paper 3.2.2), or at most
-    --pairs-per-group of them. The prompt's token ids, each distinct response's token ids once, and the pairs as
-    (chosen, rejected) indices into the responses."""
+    """Pairs that share a prompt and train in one row (collate_groups): the sibling pairs of one node (paper 3.2.2), or
+    a run of them. The prompt's token ids and the pairs as (chosen, rejected) token ids."""
 
     prompt: list
-    responses: list
     pairs: list
+
+
+def cut(group, most):
+    """A group's pairs in order, at most `most` to a Group of its prompt."""
+    return [Group(group.prompt, group.pairs[first : first + most]) for first in range(0, len(group.pairs), most)]
 
 
 def group_pairs(examples, most=0):
     """(prompt, chosen, rejected) token ids -> Groups in order of first appearance: the pairs whose prompts are the same
     ids, whatever file they come from, at most `most` in a group (0: all; the rest of a node's pairs make further
-    groups of its prompt). A response in several pairs of a group is held once, so the model scores it once however
-    many of them it takes part in."""
+    groups of its prompt, shuffled apart)."""
     by_prompt = {}
     for prompt, chosen, rejected in examples:
         by_prompt.setdefault(tuple(prompt), []).append((chosen, rejected))
     groups = []
     for prompt, node_pairs in by_prompt.items():
-        size = most or len(node_pairs)
-        for first in range(0, len(node_pairs), size):
-            pairs = node_pairs[first : first + size]
-            responses = []
-            for response in itertools.chain.from_iterable(pairs):
-                if response not in responses:
-                    responses.append(response)
-            indices = [(responses.index(chosen), responses.index(rejected)) for chosen, rejected in pairs]
-            groups.append(Group(list(prompt), responses, indices))
+        groups += cut(Group(list(prompt), node_pairs), most or len(node_pairs))
     return groups
 
 
@@ -681,13 +676,17 @@ def collate_groups(groups, pad_id):
     chosen = []
     rejected = []
     for row, group in enumerate(groups):
-        for chosen_at, rejected_at in group.pairs:
-            chosen.append(len(responses) + chosen_at)
-            rejected.append(len(responses) + rejected_at)
         ids = list(group.prompt)
-        for response in group.responses:
-            responses.append((row, len(ids), response))
-            ids += response
+        # a response in several pairs of the row is held once: its index among the batch's responses
+        index = {}
+        for pair in group.pairs:
+            for response in map(tuple, pair):
+                if response not in index:
+                    index[response] = len(responses)
+                    responses.append((row, len(ids), response))
+                    ids += response
+            chosen.append(index[tuple(pair[0])])
+            rejected.append(index[tuple(pair[1])])
         rows.append(ids)
     input_ids = padded(rows, pad_id)
     width = input_ids.shape[1]
@@ -822,18 +821,18 @@ class MicroBatch:
 
 
 class Step(NamedTuple):
-    """One optimizer step: its epoch, how many of the epoch's groups are done after it, the pairs it trains on all
-    processes, and this process's micro-batches."""
+    """One optimizer step: its epoch, the epoch's pairs trained after it, the pairs it trains on all processes, and this
+    process's micro-batches."""
 
     epoch: int
-    groups_done: int
-    pairs: int
+    epoch_pairs: int
+    num_pairs: int
     micro_batches: list
 
 
 def pack_groups(groups, batch_size):
-    """Groups, in their order, packed into micro-batches of at most `batch_size` pairs; a group of more pairs is a
-    micro-batch alone. -> [[Group, ...], ...]"""
+    """Groups of at most `batch_size` pairs each, in their order, packed into micro-batches of at most `batch_size`
+    pairs, a new one where the next group would not fit. -> [[Group, ...], ...]"""
     micro_batches = []
     pairs = 0
     for group in groups:
@@ -846,31 +845,35 @@ def pack_groups(groups, batch_size):
 
 
 def plan_steps(groups, role, progress, cfg, process=0, processes=1):
-    """Every optimizer step a run of `role` has left, from `progress` ({"step", "epoch", "groups"}: steps taken, and
-    the epoch's groups done): --epochs, or the paper's for the role. Each epoch orders the groups from (seed, epoch)
-    alone, packs them into micro-batches of --batch-size pairs (pack_groups) and makes a step of every --grad-accum x
-    `processes` micro-batches (its last step of fewer), so a group's pairs stay in one step; at most --max-steps in
-    all. A resumed run plans from the groups done, so under another --batch-size it still trains each pair once an
-    epoch. -> [Step], each with this process's micro-batches (deal)."""
+    """Every optimizer step a run of `role` has left, from `progress` ({"step", "epoch", "epoch_pairs"}: steps taken,
+    and the pairs of that epoch trained): --epochs, or the paper's for the role. Each epoch orders the groups from
+    (seed, epoch) alone; a group of more than --batch-size pairs is cut into rows of --batch-size in order (its prompt
+    once a row); the rows are packed into micro-batches of at most --batch-size pairs (pack_groups), and every
+    --grad-accum x `processes` micro-batches make a step (an epoch's last of fewer). So no step holds more than
+    --batch-size x --grad-accum x processes pairs, and the release's groups of 3-4 pairs at --batch-size 8 stay whole.
+    A resumed run leaves out the pairs its epoch trained, so under another --batch-size it trains each pair once an
+    epoch; at most --max-steps in all. -> [Step], each with this process's micro-batches (deal)."""
     epochs = cfg.epochs or EPOCHS_BY_ROLE.get(role, 4)
     per_step = cfg.grad_accum * processes
     steps = []
     for epoch in range(progress["epoch"], epochs):
         generator = torch.Generator().manual_seed(cfg.seed * 1000 + epoch)
         order = torch.randperm(len(groups), generator=generator).tolist()
-        done = 0
-        if epoch == progress["epoch"]:
-            done = progress["groups"]
-        shuffled = [groups[index] for index in order[done:]]
-        micro_batches = pack_groups(shuffled, cfg.batch_size)
+        trained = progress["epoch_pairs"] if epoch == progress["epoch"] else 0
+        # the pairs the epoch has already trained are the first ones in its order
+        left_out = trained
+        rows = []
+        for index in order:
+            group = groups[index]
+            rows += cut(Group(group.prompt, group.pairs[left_out:]), cfg.batch_size)
+            left_out = max(0, left_out - len(group.pairs))
+        micro_batches = pack_groups(rows, cfg.batch_size)
         for first in range(0, len(micro_batches), per_step):
-            batches = micro_batches[first : first + per_step]
-            pairs = 0
-            for batch in batches:
-                done += len(batch)
-                pairs += sum(len(group.pairs) for group in batch)
-            mine = deal(batches, process, processes)
-            steps.append(Step(epoch, done, pairs, mine))
+            step_batches = micro_batches[first : first + per_step]
+            step_pairs = sum(len(group.pairs) for batch in step_batches for group in batch)
+            trained += step_pairs
+            mine = deal(step_batches, process, processes)
+            steps.append(Step(epoch, trained, step_pairs, mine))
     if cfg.max_steps:
         return steps[: max(0, cfg.max_steps - progress["step"])]
     return steps
@@ -905,16 +908,16 @@ def train_dpo(run, policy, optimizer, steps):
     micro-batches accumulate, then the step is clipped, taken, logged and, every --save-every steps, saved. Each
     micro-batch comes with its reference log-probs (reference_logps)."""
     cfg, accelerator = run.cfg, run.accelerator
-    done = run.progress["step"]
-    total = done + len(steps)
-    bar = tqdm(steps, "DPO", initial=done, total=total, unit="step", disable=not accelerator.is_main_process)
-    for number, step in enumerate(bar, done):
+    steps_before = run.progress["step"]
+    total = steps_before + len(steps)
+    bar = tqdm(steps, "DPO", initial=steps_before, total=total, unit="step", disable=not accelerator.is_main_process)
+    for number, step in enumerate(bar, steps_before):
         lr = cosine_lr(number, total, cfg)
         for params in optimizer.param_groups:
             params["lr"] = lr
         # accelerate divides each loss by --grad-accum and DDP averages the processes' gradients: undone here, so the
         # step's gradient is the mean over its pairs on every process, as transformers' Trainer makes it
-        scale = cfg.grad_accum * accelerator.num_processes / step.pairs
+        scale = cfg.grad_accum * accelerator.num_processes / step.num_pairs
         sums = collections.Counter()
         for micro in step.micro_batches:
             last = micro is step.micro_batches[-1]
@@ -1806,15 +1809,21 @@ def missing_chunks(keys, done, chunk_cases):
     return missing
 
 
+# where a launcher says how many processes it started: torchrun and accelerate, MPI, SLURM
+LAUNCHED = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+
+
 def process_state():
-    """accelerate's state of this process, made as its Accelerator makes it (on CPUs: ACCELERATE_USE_CPU=1). One
-    made earlier that spans fewer processes than were launched would have each do all the work alone: refused."""
+    """accelerate's state of this process, made as its Accelerator makes it (on CPUs: ACCELERATE_USE_CPU=1). One that
+    spans fewer processes than a launcher started (a state made earlier, a launch accelerate does not read) would have
+    each do all the work alone: refused."""
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    launched = int(os.environ.get("WORLD_SIZE", state.num_processes))
-    if state.num_processes != launched:
+    said = [name for name in LAUNCHED if name in os.environ]
+    if said and int(os.environ[said[0]]) != state.num_processes:
         raise UsageError(
-            f"{launched} processes were launched but accelerate's state, made before privact's, spans "
-            f"{state.num_processes}: on CPUs, make it PartialState(cpu=True)"
+            f"{said[0]}={os.environ[said[0]]}, but accelerate's state spans {state.num_processes} process(es): launch "
+            "with accelerate launch or torchrun (on CPUs with ACCELERATE_USE_CPU=1); from Python, make no "
+            "PartialState() before privact's, or make it PartialState(cpu=True)"
         )
     return state
 
@@ -1846,13 +1855,23 @@ def run_chunks(cfg, keys, paths, work, judge_url=""):
         models = load_models(paths, tokenizers, cfg.dtype, judge_url)
     if state.is_main_process:
         create_config(config, {**flags, **provenance()})
-    for chunk, chunk_keys in tqdm(mine, "chunks", disable=not state.is_main_process):
-        torch.manual_seed(cfg.seed * 1_000_003 + chunk)
-        records, counts = work(models, chunk_keys)
-        name = f"{keys.index(chunk_keys[0]):06d}.json"
-        write_json(os.path.join(rollouts, name), {"counts": counts, "records": records})
-    state.wait_for_everyone()
-    return read_records(cfg.out, keys) if state.is_main_process else None
+    files = {chunk: os.path.join(rollouts, f"{keys.index(chunk_keys[0]):06d}.json") for chunk, chunk_keys in missing}
+    try:
+        for chunk, chunk_keys in tqdm(mine, "chunks", disable=not state.is_main_process):
+            torch.manual_seed(cfg.seed * 1_000_003 + chunk)
+            records, counts = work(models, chunk_keys)
+            write_json(files[chunk], {"counts": counts, "records": records})
+    except KeyboardInterrupt:
+        total = math.ceil(len(keys) / cfg.chunk_cases)
+        finished = total - len(missing) + sum(map(os.path.exists, files.values()))
+        then = "a rerun resumes after them" if finished else "a rerun starts over"
+        raise KeyboardInterrupt(f"{finished} of {total} chunks finished: {then}") from None
+    if not state.is_main_process:
+        return None
+    # no barrier, which times out (after 30 minutes) while another process still works: the files say who is done
+    while not all(map(os.path.exists, files.values())):
+        time.sleep(1)
+    return read_records(cfg.out, keys)
 
 
 def rollout_chunk(cases, chain, models, cfg):
@@ -2063,7 +2082,7 @@ def start_training(cfg):
     run = TrainRun(cfg, accelerator, out=out, role=role, examples=examples, pad_id=tok.pad_token_id, stats=stats)
     # the last whole state <out>.state/step-<k> a killed run saved
     states = glob.glob(os.path.join(state_folder, "step-*[0-9]"))
-    run.progress = {"step": 0, "epoch": 0, "groups": 0, "pairs": 0, "seconds": 0.0, "history": []}
+    run.progress = {"step": 0, "epoch": 0, "epoch_pairs": 0, "pairs_trained": 0, "seconds": 0.0, "history": []}
     if states:
         run.resume = max(states, key=lambda path: int(path.rsplit("-", 1)[1]))
         run.progress = read_json(os.path.join(run.resume, "progress.json"))
@@ -2097,13 +2116,21 @@ def prepare_training(run, policy):
 
 
 def resume(run, steps):
-    """A killed run's last state (accelerate's load_state: weights, optimizer, RNG), if there is one; `steps`: the
-    steps it has left (plan_steps)."""
+    """A killed run's last state (accelerate's load_state: weights, optimizer, RNG), if there is one; then the line that
+    says what a micro-batch and a step of `steps` (plan_steps: the steps left) hold."""
+    cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     if run.resume:
-        run.accelerator.load_state(run.resume)
-        progress = run.progress
-        done = f"step {progress['step']} (epoch {progress['epoch']}, {progress['groups']} groups done)"
-        run.accelerator.print(f"resuming after {done}: {len(steps)} steps left")
+        accelerator.load_state(run.resume)
+        done = f"step {progress['step']} (epoch {progress['epoch']}, {progress['epoch_pairs']} of its pairs trained)"
+        accelerator.print(f"resuming after {done}")
+    most = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
+    mean = sum(step.num_pairs for step in steps) / max(1, len(steps))
+    accelerator.print(
+        f"{run.role}: {len(run.examples)} pairs; a micro-batch holds up to {cfg.batch_size} pairs in rows of one "
+        f"prompt each (a node of more pairs takes several rows); a step {cfg.grad_accum} x {accelerator.num_processes} "
+        f"micro-batches (--grad-accum x processes), up to {most} pairs ({mean:.1f} on average); {len(steps)} steps "
+        "to go"
+    )
 
 
 def make_optimizer(policy, plugin):
@@ -2124,16 +2151,16 @@ def log_step(run, step, lr, grad_norm, sums):
     progress = run.progress
     progress["step"] += 1
     progress["epoch"] = step.epoch
-    progress["groups"] = step.groups_done
-    progress["pairs"] += step.pairs
+    progress["epoch_pairs"] = step.epoch_pairs
+    progress["pairs_trained"] += step.num_pairs
     progress["seconds"] = time.time() - run.started
     row = {"step": progress["step"], "epoch": step.epoch, "train/lr": lr}
     totals = run.accelerator.reduce(torch.stack(list(sums.values())), "sum")
     for name, total in zip(sums, totals.tolist(), strict=True):
-        row[f"train/{name}"] = total / step.pairs
+        row[f"train/{name}"] = total / step.num_pairs
     if grad_norm is not None:
         row["train/grad_norm"] = float(grad_norm)
-    row["train/pairs_per_s"] = progress["pairs"] / progress["seconds"]
+    row["train/pairs_per_s"] = progress["pairs_trained"] / progress["seconds"]
     progress["history"].append(row)
     run.accelerator.log(row, step=progress["step"])
     run.accelerator.print(json.dumps(row))
@@ -2169,6 +2196,9 @@ def save_checkpoint(run, policy, tok):
     if accelerator.is_main_process:
         accelerator.unwrap_model(policy).save_pretrained(partial, state_dict=state)
         tok.save_pretrained(partial)
+        # safetensors writes its files 0600: the mode of every other file here, the umask's
+        for weights in glob.glob(os.path.join(partial, "*.safetensors")):
+            shutil.copymode(os.path.join(partial, "config.json"), weights)
         write_json(os.path.join(partial, "train_metrics.json"), {**metrics, **provenance()})
         logs = f"{run.out}.state/privact-{run.role}"
         if os.path.isdir(logs):
@@ -2243,9 +2273,10 @@ def cmd_compare(cfg):
     """Print eval (or confaide) reports side by side; --plot draws the paper's Figure 2 of the eval reports."""
     reports = []
     for path in cfg.reports:
-        if os.path.isdir(path):
-            path = os.path.join(path, "report.json")
-        reports.append(read_json(path))
+        report = os.path.join(path, "report.json") if os.path.isdir(path) else path
+        if not os.path.isfile(report):
+            raise UsageError(f"{path}: no report.json there: not a finished eval or confaide folder")
+        reports.append(read_json(report))
     print(format_table(reports))
     if cfg.plot:
         plot_tradeoff(reports, cfg.plot)
@@ -2546,16 +2577,15 @@ class TrainConfig:
     lr: float = opt(5e-7, above=0)
     """the peak learning rate of AdamW (the released config's 5e-7; the paper's text says 5e-5)"""
     batch_size: int = opt(8, low=1)
-    """pairs per process in a micro-batch, in whole sibling groups (a group of more pairs is a micro-batch alone);
-    after an out-of-memory error, rerun with a smaller one (and a larger --grad-accum): it resumes each pair left"""
+    """the most pairs per process in a micro-batch, in rows of one prompt each: a node's pairs share a row, and a node
+    of more pairs takes several; after an out-of-memory error, rerun with a smaller one: it resumes each pair left"""
     pairs_per_group: int = opt(0, low=0)
-    """the most pairs of one node trained in one row, its prompt run once for them; its further pairs make further
-    groups, shuffled apart. 0: all of them; 1: one pair a row, each step's pairs from as many nodes as it holds pairs,
-    as the release's pair shuffle draws them, for the prompt's cost once per pair (README: Groups, not pairs, are
-    shuffled)"""
+    """the most pairs of one node in a group, its further pairs in further groups, shuffled apart. 0: all of them (a
+    group of more than --batch-size trains in several rows, in one run); 1: one pair a row, each step's pairs from as
+    many nodes as it holds pairs, as the release's shuffle draws them, for the prompt's cost once per pair"""
     grad_accum: int = opt(4, low=1)
-    """micro-batches per process in an optimizer step (8 x 4: up to the paper's 32 pairs; in whole groups of 3-4 pairs,
-    as a 4,4,4 collect makes them, 24-32); an epoch's last step may take fewer"""
+    """micro-batches per process in an optimizer step, which holds at most --batch-size x --grad-accum x processes
+    pairs (8 x 4: the paper's 32; in the groups of 3-4 pairs a 4,4,4 collect makes, 24-32)"""
     epochs: int = opt(0, low=0)
     """epochs over the pairs, each reshuffled; 0 for the paper's per role (verifier 12, refiner 4)"""
     max_steps: int = opt(0, low=0)
@@ -2737,8 +2767,9 @@ def main(argv=None):
     except UsageError as e:
         print(f"privact {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"privact {args.command}: interrupted; what finished is kept: rerun it to resume", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        kept = str(e) or "what finished is kept: rerun it to resume"
+        print(f"privact {args.command}: interrupted; {kept}", file=sys.stderr)
         return 130
     except torch.OutOfMemoryError:
         # every finished chunk (train: the last saved state) is on disk

@@ -496,9 +496,11 @@ def test_tau_and_branching_flags():
     roles = ["generator", "verifier", "refiner"]
     assert privact.parse_taus("verifier=1e-3, refiner=-.5", roles) == {"verifier": 0.001, "refiner": -0.5}
     assert privact.parse_branching("4,4,4", roles) == [4, 4, 4]
-    for bad in ("verifier=x", "judge=0.5", "verifier=nan", "verifier", "refiner=inf", "refiner=1.5", "verifier=1.2.3"):
+    for bad in ("verifier=x", "verifier=nan", "verifier", "refiner=inf", "refiner=1.5", "verifier=1.2.3"):
         with pytest.raises(privact.UsageError, match="role=number"):
             privact.parse_taus(bad, roles)
+    with pytest.raises(privact.UsageError, match="'verifer' is no role of the chain generator,verifier,refiner"):
+        privact.parse_taus("verifer=0.5", roles)
     for bad in ("4,4", "4,x,4", "4,0,4", "4,4,4,4", "4,4.5,4", ""):
         with pytest.raises(privact.UsageError, match="--branching '.*': expected 3 comma-separated whole numbers"):
             privact.parse_branching(bad, roles)
@@ -952,34 +954,31 @@ def test_sequence_logps_matches_a_loop():
     assert privact.sequence_logps(logits, labels).tolist() == pytest.approx(want, abs=1e-5)
 
 
-def test_group_pairs_by_prompt_ids_each_response_once():
-    """Pairs whose prompts are the same ids form one group, whatever their order or case; a response in several pairs
-    is held once and its pairs index it; a prompt no other pair shares is a group of two responses. At most 2 pairs a
-    group (--pairs-per-group 2), a node's pairs fill groups of its prompt in order; at 1, each pair is a group."""
+def test_group_pairs_by_prompt_ids():
+    """Pairs whose prompts are the same ids form one group, whatever their order or case, in order of first appearance.
+    At most 2 pairs a group (--pairs-per-group 2), a node's pairs fill groups of its prompt in order; at 1, each pair is
+    a group."""
     p, q = [5, 6, 7], [5, 6]
     a, b, c, d = [1], [2, 2], [3], [4]
     examples = [(p, a, b), (q, c, d), (p, c, b), (p, a, c), (p, a, a)]
-    groups = privact.group_pairs(examples)
-    assert groups == [privact.Group(p, [a, b, c], [(0, 1), (2, 1), (0, 2), (0, 0)]), privact.Group(q, [c, d], [(0, 1)])]
-    assert privact.group_pairs(examples, 2) == [
-        privact.Group(p, [a, b, c], [(0, 1), (2, 1)]),
-        privact.Group(p, [a, c], [(0, 1), (0, 0)]),
-        privact.Group(q, [c, d], [(0, 1)]),
-    ]
-    singles = [privact.Group(prompt, [chosen, rejected], [(0, 1)]) for prompt, chosen, rejected in examples[:-1]]
-    assert privact.group_pairs(examples, 1) == [*singles[:1], *singles[2:], privact.Group(p, [a], [(0, 0)]), singles[1]]
+    Group = privact.Group
+    assert privact.group_pairs(examples) == [Group(p, [(a, b), (c, b), (a, c), (a, a)]), Group(q, [(c, d)])]
+    halves = [Group(p, [(a, b), (c, b)]), Group(p, [(a, c), (a, a)]), Group(q, [(c, d)])]
+    assert privact.group_pairs(examples, 2) == halves
+    singles = [Group(p, [(a, b)]), Group(p, [(c, b)]), Group(p, [(a, c)]), Group(p, [(a, a)]), Group(q, [(c, d)])]
+    assert privact.group_pairs(examples, 1) == singles
 
 
 def test_packed_row_of_the_worked_example():
     """collate_groups' docstring example, prompt [p0 p1], responses a = [a0], b = [b0 b1], c = [c0], pairs (a, b) and
-    (c, b), beside a longer group that pads it: positions restart for every response, which sees the prompt and
-    itself only; each response is scored from the prompt's last token; the indices point into the flattened rows;
-    padding holds pad_id and its own index as its position, and scores nothing (label -100)."""
+    (c, b), beside a longer group that pads it: b is held once though two pairs hold it; positions restart for every
+    response, which sees the prompt and itself only; each response is scored from the prompt's last token; the indices
+    point into the flattened rows; padding holds pad_id and its own index as its position, and scores nothing."""
     p0, p1, a0, b0, b1, c0, pad = 10, 11, 12, 13, 14, 15, 0
-    first = privact.Group([p0, p1], [[a0], [b0, b1], [c0]], [(0, 1), (2, 1)])
-    second = privact.Group([p0, p1, p0], [[c0, c0], [b0, b1]], [(1, 0)])
+    first = privact.Group([p0, p1], [([a0], [b0, b1]), ([c0], [b0, b1])])
+    second = privact.Group([p0, p1, p0], [([b0, b1], [c0, c0])])
     batch = privact.collate_groups([first, second], pad)
-    assert batch["input_ids"].tolist() == [[p0, p1, a0, b0, b1, c0, pad], [p0, p1, p0, c0, c0, b0, b1]]
+    assert batch["input_ids"].tolist() == [[p0, p1, a0, b0, b1, c0, pad], [p0, p1, p0, b0, b1, c0, c0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 2, 3, 2, 6], [0, 1, 2, 3, 4, 3, 4]]
     # row 1's position t is 7 + t
     assert batch["response_at"].tolist() == [[1, 2, 0], [1, 3, 4], [1, 5, 0], [9, 10, 11], [9, 12, 13]]
@@ -987,10 +986,10 @@ def test_packed_row_of_the_worked_example():
         [-100, a0, -100],
         [-100, b0, b1],
         [-100, c0, -100],
-        [-100, c0, c0],
         [-100, b0, b1],
+        [-100, c0, c0],
     ]
-    assert batch["chosen"].tolist() == [0, 2, 4] and batch["rejected"].tolist() == [1, 1, 3]
+    assert batch["chosen"].tolist() == [0, 2, 3] and batch["rejected"].tolist() == [1, 1, 4]
     mask = batch["attention_mask"][0, 0, :6, :6].int().tolist()
     assert mask == [
         [1, 0, 0, 0, 0, 0],
@@ -1015,13 +1014,15 @@ def test_packed_rows_score_each_response_as_alone(tiny_model):
     after its prompt alone, unpadded, with the model's full logits."""
     model, tok = privact.load_model(tiny_model)
     groups = [
-        privact.Group(list(range(3, 43)), [[7] * 5, [9] * 9, [8] * 4], [(0, 1), (2, 1)]),
-        privact.Group(list(range(3, 15)), [[7] * 3, [9] * 2], [(0, 1)]),
-        privact.Group(list(range(3, 28)), [[7] * 8, [9]], [(1, 0)]),
+        privact.Group(list(range(3, 43)), [([7] * 5, [9] * 9), ([8] * 4, [9] * 9)]),
+        privact.Group(list(range(3, 15)), [([7] * 3, [9] * 2)]),
+        privact.Group(list(range(3, 28)), [([9], [7] * 8)]),
     ]
+    # each row's distinct responses in order
+    responses = [(0, [7] * 5), (0, [9] * 9), (0, [8] * 4), (1, [7] * 3), (1, [9] * 2), (2, [9]), (2, [7] * 8)]
     with torch.no_grad():
         got = privact.response_logps(model, privact.collate_groups(groups, tok.pad_token_id))
-        want = [plain_logp(model, group.prompt, response) for group in groups for response in group.responses]
+        want = [plain_logp(model, groups[row].prompt, response) for row, response in responses]
     assert got.tolist() == pytest.approx(torch.stack(want).tolist(), abs=1e-4)
     # eager attention adds the mask to its scores, flash attention ignores it: only sdpa runs
     model.config._attn_implementation = "eager"
@@ -1039,12 +1040,12 @@ def test_grouped_losses_and_gradient_equal_per_pair_packing(tiny_model):
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    responses = [[7, 8, 9], [9] * 5, [8, 7], [10] * 4]
+    r0, r1, r2, r3 = [7, 8, 9], [9] * 5, [8, 7], [10] * 4
     groups = [
-        privact.Group(list(range(3, 40)), responses, [(0, 2), (0, 3), (1, 2), (1, 3)]),
-        privact.Group(list(range(5, 30)), responses, [(0, 1), (0, 2), (0, 3)]),
+        privact.Group(list(range(3, 40)), [(r0, r2), (r0, r3), (r1, r2), (r1, r3)]),
+        privact.Group(list(range(5, 30)), [(r0, r1), (r0, r2), (r0, r3)]),
     ]
-    examples = [(g.prompt, g.responses[c], g.responses[r]) for g in groups for c, r in g.pairs]
+    examples = [(group.prompt, chosen, rejected) for group in groups for chosen, rejected in group.pairs]
     singles = privact.group_pairs(examples, 1)  # --pairs-per-group 1: one pair a row
 
     def losses_and_gradient(batch):
@@ -1067,8 +1068,8 @@ def test_grouped_losses_and_gradient_equal_per_pair_packing(tiny_model):
     model.zero_grad()
     apart = []
     for group in groups:
-        for c, r in group.pairs:
-            logps = [plain_logp(m, group.prompt, group.responses[i]) for m in (model, reference) for i in (c, r)]
+        for pair in group.pairs:
+            logps = [plain_logp(m, group.prompt, response) for m in (model, reference) for response in pair]
             apart.append(
                 privact.dpo_loss(*[x.reshape(1) for x in logps[:2]], *[x.detach().reshape(1) for x in logps[2:]], 0.4)[
                     0
@@ -1080,15 +1081,14 @@ def test_grouped_losses_and_gradient_equal_per_pair_packing(tiny_model):
         assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-3)
 
 
-def test_plan_packs_whole_groups_into_steps_and_resumes_by_groups_done():
+def test_plan_packs_groups_into_steps_and_resumes_by_the_pairs_trained():
     """Groups of 3, 1, 4, 2 and 1 pairs, --batch-size 4: each epoch orders the groups from (seed, epoch) (seed 0: epoch
     0 [4, 0, 1, 3, 2], epoch 1 [0, 4, 2, 3, 1]) and packs them in that order into micro-batches of at most 4 pairs, a
-    new one where the next group would not fit, so a group never straddles a step. Worked by hand for --grad-accum 2
-    and 1, a resume under another --batch-size, two processes, and --max-steps."""
+    new one where the next group would not fit. Worked by hand for --grad-accum 2 and 1, a resume under --batch-size 2
+    (the 4-pair group then trains in two rows), two processes, and --max-steps."""
     counts = [3, 1, 4, 2, 1]
-    start = {"step": 0, "epoch": 0, "groups": 0}
-
-    groups = [privact.Group([g], [], [(0, 1)] * count) for g, count in enumerate(counts)]
+    start = {"step": 0, "epoch": 0, "epoch_pairs": 0}
+    groups = [privact.Group([g], [([g], [g, n]) for n in range(count)]) for g, count in enumerate(counts)]
 
     def named(micro):  # a micro-batch's groups by their prompt, which holds their index, and its weight
         return [group.prompt[0] for group in micro.groups], micro.weight
@@ -1096,27 +1096,49 @@ def test_plan_packs_whole_groups_into_steps_and_resumes_by_groups_done():
     def plan(epochs, progress=start, process=0, processes=1, **flags):
         cfg = privact.TrainConfig(**{"batch_size": 4, "grad_accum": 2, "epochs": epochs, **flags})
         steps = privact.plan_steps(groups, "refiner", progress, cfg, process, processes)
-        return [(s.epoch, s.groups_done, s.pairs, list(map(named, s.micro_batches))) for s in steps]
+        return [(s.epoch, s.epoch_pairs, s.num_pairs, list(map(named, s.micro_batches))) for s in steps]
 
     assert plan(2) == [
-        (0, 4, 7, [([4, 0], 1.0), ([1, 3], 1.0)]),
-        (0, 5, 4, [([2], 1.0)]),
-        (1, 3, 8, [([0, 4], 1.0), ([2], 1.0)]),
-        (1, 5, 3, [([3, 1], 1.0)]),
+        (0, 7, 7, [([4, 0], 1.0), ([1, 3], 1.0)]),
+        (0, 11, 4, [([2], 1.0)]),
+        (1, 8, 8, [([0, 4], 1.0), ([2], 1.0)]),
+        (1, 11, 3, [([3, 1], 1.0)]),
     ]
     once = plan(1, grad_accum=1)
-    assert once == [(0, 2, 4, [([4, 0], 1.0)]), (0, 4, 3, [([1, 3], 1.0)]), (0, 5, 4, [([2], 1.0)])]
-    # killed after step 1 and resumed at --batch-size 2: the rest of epoch 0 once (a group of 4 alone), then epoch 1
-    resumed = plan(2, {"step": 1, "epoch": 0, "groups": 2}, batch_size=2, grad_accum=1)
-    assert [micro for *_, micro in resumed] == [[([g], 1.0)] for g in (1, 3, 2, 0, 4, 2, 3, 1)]
-    assert [epoch for epoch, *_ in resumed] == [0, 0, 0, 1, 1, 1, 1, 1]
+    assert once == [(0, 4, 4, [([4, 0], 1.0)]), (0, 7, 3, [([1, 3], 1.0)]), (0, 11, 4, [([2], 1.0)])]
+    # killed after step 1 (4 pairs of epoch 0) and resumed at --batch-size 2: the rest of epoch 0 once, group 2 in two
+    # rows of 2 pairs, then epoch 1, groups 0 (3 pairs: rows of 2 and 1) and 2 in rows too
+    resumed = plan(2, {"step": 1, "epoch": 0, "epoch_pairs": 4}, batch_size=2, grad_accum=1)
+    assert [micro for *_, micro in resumed] == [[([g], 1.0)] for g in (1, 3, 2, 2, 0)] + [[([0, 4], 1.0)]] + [
+        [([g], 1.0)] for g in (2, 2, 3, 1)
+    ]
+    assert [(epoch, pairs) for epoch, pairs, *_ in resumed][:4] == [(0, 5), (0, 7), (0, 9), (0, 11)]
     # two processes: a step's micro-batches dealt out; the one left short runs the step's first at weight 0
-    assert plan(1, process=0, processes=2, grad_accum=1) == [(0, 4, 7, [([4, 0], 1.0)]), (0, 5, 4, [([2], 1.0)])]
-    assert plan(1, process=1, processes=2, grad_accum=1) == [(0, 4, 7, [([1, 3], 1.0)]), (0, 5, 4, [([2], 0.0)])]
-    assert len(plan(2, {"step": 1, "epoch": 0, "groups": 4}, max_steps=3)) == 2
-    assert plan(2, {"step": 3, "epoch": 1, "groups": 3}, max_steps=3) == []  # --max-steps already reached
-    assert plan(2, {"step": 4, "epoch": 1, "groups": 3}, max_steps=3) == []
+    assert plan(1, process=0, processes=2, grad_accum=1) == [(0, 7, 7, [([4, 0], 1.0)]), (0, 11, 4, [([2], 1.0)])]
+    assert plan(1, process=1, processes=2, grad_accum=1) == [(0, 7, 7, [([1, 3], 1.0)]), (0, 11, 4, [([2], 0.0)])]
+    assert len(plan(2, {"step": 1, "epoch": 0, "epoch_pairs": 7}, max_steps=3)) == 2
+    assert plan(2, {"step": 3, "epoch": 1, "epoch_pairs": 8}, max_steps=3) == []  # --max-steps already reached
+    assert plan(2, {"step": 4, "epoch": 1, "epoch_pairs": 8}, max_steps=3) == []
     assert sorted({epoch for epoch, *_ in plan(0)}) == [0, 1, 2, 3]  # --epochs 0: the refiner's 4, the paper's
+
+
+def test_a_group_larger_than_the_batch_trains_in_rows_of_the_batch():
+    """One node's 16 pairs at --batch-size 4 --grad-accum 1: 4 steps of 4 pairs, each a row of the node's prompt, every
+    pair once an epoch in its order. Killed after the first step and resumed at --batch-size 3: the 12 pairs left, once,
+    in steps of 3, 3, 3 and 3."""
+    pairs = [([n], [100 + n]) for n in range(16)]
+    groups = [privact.Group([9, 9], pairs)]
+    cfg = privact.TrainConfig(batch_size=4, grad_accum=1, epochs=1)
+    steps = privact.plan_steps(groups, "refiner", {"step": 0, "epoch": 0, "epoch_pairs": 0}, cfg)
+    assert [(step.epoch_pairs, step.num_pairs) for step in steps] == [(4, 4), (8, 4), (12, 4), (16, 4)]
+    rows = [group for step in steps for micro in step.micro_batches for group in micro.groups]
+    assert [row.pairs for row in rows] == [pairs[0:4], pairs[4:8], pairs[8:12], pairs[12:16]]
+    assert all(row.prompt == [9, 9] for row in rows)
+    cfg = privact.TrainConfig(batch_size=3, grad_accum=1, epochs=1)
+    resumed = privact.plan_steps(groups, "refiner", {"step": 1, "epoch": 0, "epoch_pairs": 4}, cfg)
+    assert [step.num_pairs for step in resumed] == [3, 3, 3, 3]
+    rows = [group for step in resumed for micro in step.micro_batches for group in micro.groups]
+    assert sum((row.pairs for row in rows), []) == pairs[4:]
 
 
 def test_cosine_lr_hand_values():
@@ -1980,7 +2002,8 @@ def test_a_process_state_made_before_privacts_that_spans_fewer_processes_is_refu
 ):
     """Under a launcher of two processes (WORLD_SIZE=2), a PartialState() made on CPUs before privact's, without
     cpu=True, holds this process alone: each process would do all the work by itself (train both write one folder).
-    collect and train refuse it in one line, before anything is written."""
+    collect and train refuse it in one line, before anything is written, naming both ways out. So is a launch by SLURM
+    (SLURM_NTASKS=3, no WORLD_SIZE), which accelerate does not read."""
     from accelerate import PartialState
 
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -1990,8 +2013,12 @@ def test_a_process_state_made_before_privacts_that_spans_fewer_processes_is_refu
     for args in (collect_args(data_file, tmp_path / "c", tiny_model), train_args(pairs, tmp_path / "t", tiny_model)):
         assert run_cli(*args) == 2
         (err,) = capsys.readouterr().err.strip().splitlines()
-        assert "2 processes were launched but accelerate's state, made before privact's, spans 1" in err, err
-        assert "PartialState(cpu=True)" in err
+        assert "WORLD_SIZE=2, but accelerate's state spans 1 process(es)" in err, err
+        assert "ACCELERATE_USE_CPU=1" in err and "PartialState(cpu=True)" in err
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "3")
+    assert run_cli(*collect_args(data_file, tmp_path / "c", tiny_model)) == 2
+    assert "SLURM_NTASKS=3, but accelerate's state spans 1 process(es)" in capsys.readouterr().err
     assert not (tmp_path / "c").exists() and not (tmp_path / "t").exists() and not (tmp_path / "t.state").exists()
 
 
@@ -2034,7 +2061,7 @@ def test_ctrl_c_says_one_line_and_the_rerun_resumes(tmp_path, data_file, tiny_mo
     run = tmp_path / "run"
     assert run_cli(*collect_args(data_file, run, tiny_model, "--chunk-cases", "1")) == 130
     err = capsys.readouterr().err
-    assert "interrupted; what finished is kept: rerun it to resume" in err and "Traceback" not in err
+    assert "interrupted; 1 of 2 chunks finished: a rerun resumes after them" in err and "Traceback" not in err
     monkeypatch.setattr(privact, "rollout_chunk", real)
     generated = rolled_out(monkeypatch)
     assert run_cli(*collect_args(data_file, run, tiny_model, "--chunk-cases", "1")) == 0
@@ -2096,16 +2123,22 @@ def test_collect_resumes_after_sigkill_and_a_second_command_cannot_damage_the_ru
 
 
 # privact.py, each rollout's cases logged to the file argv[1] with the process's rank (one line per chunk)
+# each chunk's rank and cases logged; the process group's timeout 3 s instead of 30 minutes, and the main process 4 s
+# slower a chunk, so a process that waited for another at a barrier would time out
 LOGGED_ROLLOUT = """
-import json, os, sys
+import datetime, json, os, sys, time
 sys.path.insert(0, os.getcwd())
+from accelerate import PartialState
 import privact
 
+PartialState(cpu=True, timeout=datetime.timedelta(seconds=3))
 real_rollout = privact.rollout
 
 def logged(cases, *rest):
     with open(sys.argv[1], "a") as fh:
         fh.write(json.dumps([os.environ["RANK"], [case["name"] for case in cases]]) + "\\n")
+    if os.environ["RANK"] == "0":
+        time.sleep(4)
     return real_rollout(cases, *rest)
 
 privact.rollout = logged
@@ -2117,7 +2150,8 @@ sys.exit(privact.main(sys.argv[2:]))
 def test_collect_and_eval_on_two_processes(tmp_path, data_file, tiny_model):
     """Cases are sharded over 2 CPU processes (ACCELERATE_USE_CPU=1 torchrun): each chunk is rolled out once, by one
     process, and both processes roll out; the folder holds a one-process run's trees (chunk seeds don't depend on the
-    process count) and pairs that pairs_from_records gives."""
+    process count) and pairs that pairs_from_records gives. The process that finishes first waits at no barrier: with
+    the process group's timeout at 3 s, it ends while the other works on for seconds more."""
     two, one = tmp_path / "two", tmp_path / "one"
     flags = collect_args(data_file, two, tiny_model, "--num-cases", "5", "--chunk-cases", "1")[1:]
     flags += ["--tau", "verifier=0.2,refiner=0.2"]
@@ -2239,6 +2273,27 @@ def test_train_lowers_loss_saves_and_reloads(tmp_path, tiny_model):
     ids = tok("hello", return_tensors="pt").input_ids
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
     assert not (tmp_path / "ckpt.state").exists()
+    # the weights readable as every other file is (safetensors writes 0600)
+    assert (out / "model.safetensors").stat().st_mode == (out / "train_metrics.json").stat().st_mode
+
+
+def test_a_node_of_16_pairs_trains_4_steps_of_4_at_log_2(tmp_path, tiny_model, capsys):
+    """One node's 16 pairs at --batch-size 4 --grad-accum 1, the weights held still (--lr 1e-30): the log's first line
+    says what a micro-batch and a step hold; 4 steps of 4 pairs (not one of 16), each at log 2."""
+    pairs = tmp_path / "pairs_refiner.jsonl"
+    write_pairs(pairs, "refiner", 16, per_prompt=16)
+    args = ["--batch-size", "4", "--grad-accum", "1", "--epochs", "1", "--lr", "1e-30"]
+    assert run_cli("train", "--pairs", pairs, "--model", tiny_model, "--out", tmp_path / "o", *args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        "refiner: 16 pairs; a micro-batch holds up to 4 pairs in rows of one prompt each (a node of more pairs takes "
+        "several rows); a step 1 x 1 micro-batches (--grad-accum x processes), up to 4 pairs (4.0 on average); 4 steps "
+        "to go"
+    )
+    metrics = json.loads((tmp_path / "o" / "train_metrics.json").read_text())
+    assert metrics["pairs_trained"] == 16 and len(metrics["history"]) == 4
+    for row in metrics["history"]:
+        assert row["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
 
 
 LEFT_ALONE = """
@@ -2564,12 +2619,12 @@ def each_pair_once_an_epoch(seen, pairs, epochs):
 
 
 def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, monkeypatch, capsys):
-    """Ten pairs in five groups of 2, --batch-size 4: an out-of-memory error at the third step, after two saved
+    """Twelve pairs in three groups of 4, --batch-size 4: an out-of-memory error at the third step, after two saved
     states, is one line naming --batch-size. The same command at --batch-size 2 --grad-accum 2 (the advice) resumes
-    where the saved state stands: every pair is trained once in each of the two epochs, the rest of epoch 0 and all
-    of epoch 1 in the new micro-batches."""
+    where the saved state stands: each group now trains in two rows of 2 pairs, and every pair is trained once in each
+    of the two epochs, the rest of epoch 0 and all of epoch 1 in the new micro-batches."""
     pairs = tmp_path / "pairs_verifier.jsonl"
-    write_pairs(pairs, "verifier", 10, per_prompt=2)
+    write_pairs(pairs, "verifier", 12, per_prompt=4)
     real_step = privact.dpo_step
     seen = []
 
@@ -2591,10 +2646,12 @@ def test_train_out_of_memory_resumes_with_a_smaller_batch(tmp_path, tiny_model, 
         privact, "dpo_step", lambda policy, batch, *a: seen.extend(chosen_of(batch)) or real_step(policy, batch, *a)
     )
     assert run_cli(*args, "--batch-size", "2", "--grad-accum", "2") == 0
-    assert "resuming after step 2 (epoch 0, 4 groups done): 4 steps left" in capsys.readouterr().out
-    assert each_pair_once_an_epoch(seen, 10, 2), seen
+    out = capsys.readouterr().out
+    assert "resuming after step 2 (epoch 0, 8 of its pairs trained)" in out
+    assert "a micro-batch holds up to 2 pairs" in out and "up to 4 pairs (4.0 on average); 4 steps to go" in out
+    assert each_pair_once_an_epoch(seen, 12, 2), seen
     metrics = json.loads((tmp_path / "v" / "train_metrics.json").read_text())
-    assert metrics["pairs"] == 20 and [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
+    assert metrics["pairs_trained"] == 24 and [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
 
 
 def kill_after_step(cmd, state, step):
@@ -2977,6 +3034,8 @@ def test_eval_uses_trained_role_models_and_compares(tmp_path, data_file, tiny_mo
     assert set(outputs["verifier"]) == {"!" * 6}
     assert all(o != "!" * 6 for role in ("generator", "refiner") for o in outputs[role])
     capsys.readouterr()
+    assert run_cli("compare", a / "report.json", b, tmp_path / "nope") == 2
+    assert "nope: no report.json there: not a finished eval or confaide folder" in capsys.readouterr().err
     assert run_cli("compare", a / "report.json", b) == 0
     table = capsys.readouterr().out
     assert (

@@ -376,50 +376,76 @@ PRESETS = {
 }
 
 
-def swap_sides(path):
-    """--swap-pairs: every pair of a pairs file with its chosen and rejected sides swapped."""
+def swap_sides(path, swapped):
+    """--swap-pairs: every pair of the pairs file `path` with its chosen and rejected sides swapped, written to
+    `swapped` (the collect's own file stays as collect wrote it)."""
     rows = privact.read_json(path)
-    swapped = []
+    out = []
     for row in rows:
         swap = dict(row)
         for key in ("", "_ids", "_finish", "_value"):
             swap["chosen" + key], swap["rejected" + key] = row.get("rejected" + key), row.get("chosen" + key)
-        swapped.append(swap)
-    privact.write_text(path, "".join(json.dumps(row) + "\n" for row in swapped))
+        out.append(swap)
+    privact.write_text(swapped, "".join(json.dumps(row) + "\n" for row in out))
+
+
+class Stages:
+    """The round's stages in --out, each run once: a stage whose output is there is skipped, so a killed round
+    resumes where it stopped (collect and eval also resume their own chunks); <out>/stages.json keeps the seconds
+    each stage took, across sittings."""
+
+    def __init__(self, folder):
+        self.path = os.path.join(folder, "stages.json")
+        self.seconds = privact.read_json(self.path) if os.path.exists(self.path) else {}
+
+    def run(self, name, done_when, *flags):
+        """privact.py with `flags` as stage `name`, unless `done_when` (a path) exists."""
+        if os.path.exists(done_when):
+            return
+        start = time.time()
+        privact_run(*flags)
+        self.seconds[name] = round(self.seconds.get(name, 0) + time.time() - start, 1)
+        privact.write_json(self.path, self.seconds)
 
 
 def run_round(args, folder, data, url):
-    """collect, DPO for both roles, the four evals -> ({chain: report}, {role: pairs})."""
+    """collect, DPO for both roles, the evals of --chains -> ({chain: report}, {chain: actions}, {role: pairs},
+    {stage: seconds})."""
+    stages = Stages(folder)
     judge = ["--judge-url", url, "--judge-model", args.model, "--data", data, "--seed", args.seed]
     sampling = ["--model", args.model, "--max-new-tokens", args.max_new_tokens, "--temperature", args.temperature]
     sampling += ["--dtype", args.dtype, *judge]
     run = os.path.join(folder, "collect")
     collect = ["collect", "--out", run, "--num-cases", args.train_cases, "--branching", args.branching]
-    privact_run(*collect, "--tau", args.tau, *sampling)
+    stages.run("collect", os.path.join(run, "summary.json"), *collect, "--tau", args.tau, *sampling)
     trained = {}
     for role in ("verifier", "refiner"):
         pairs = os.path.join(run, f"pairs_{role}.jsonl")
         if args.swap_pairs:
-            swap_sides(pairs)
+            swap_sides(pairs, os.path.join(folder, f"pairs_{role}.swapped.jsonl"))
+            pairs = os.path.join(folder, f"pairs_{role}.swapped.jsonl")
         trained[role] = os.path.join(folder, role)
         train = ["train", "--pairs", pairs, "--model", args.model, "--out", trained[role], "--lr", args.lr]
         train += ["--epochs", args.epochs, "--warmup-ratio", 0, "--batch-size", args.batch_size]
-        train += ["--grad-accum", args.grad_accum, "--seed", args.seed, "--save-every", 0]
-        # a 135M model's activations fit: no recomputation in the backward pass
-        privact_run(*train, "--no-gradient-checkpointing")
+        train += ["--grad-accum", args.grad_accum, "--seed", args.seed, "--pairs-per-group", args.pairs_per_group]
+        # a 135M model's activations fit: no recomputation in the backward pass; a state every 10 steps to resume from
+        train += ["--save-every", 10, "--no-gradient-checkpointing"]
+        stages.run(f"train_{role}", trained[role], *train)
     reports = {}
     actions = {}
-    for name, roles in CHAINS.items():
+    for name in args.chains.split(","):
         out = os.path.join(folder, f"eval_{name}")
+        k = args.k if name in ("base", "trained") else args.one_role_k or args.k
         checkpoints = []
-        for role in roles:
+        for role in CHAINS[name]:
             checkpoints += [f"--{role}", trained[role]]
-        privact_run("eval", "--out", out, "--num-cases", args.test_cases, "--k", args.k, *sampling, *checkpoints)
+        eval_flags = ["eval", "--out", out, "--num-cases", args.test_cases, "--k", k, *sampling, *checkpoints]
+        stages.run(f"eval_{name}", os.path.join(out, "report.json"), *eval_flags)
         reports[name] = privact.read_json(os.path.join(out, "report.json"))
         actions[name] = [leaf.output for record in privact.read_records(out) for leaf in privact.leaves(record["tree"])]
     summary = privact.read_json(os.path.join(run, "summary.json"))
     pairs = {role: summary[f"collect/pairs_{role}"] for role in ("verifier", "refiner")}
-    return reports, actions, pairs
+    return reports, actions, pairs, stages.seconds
 
 
 def main():
@@ -428,6 +454,13 @@ def main():
     ap.add_argument("--out", default="", help="keep the runs in this folder (default: a temporary one)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of collect, train, the evals (and the tiny model)")
     ap.add_argument("--swap-pairs", action="store_true", help="train on every pair with its sides swapped (a check)")
+    ap.add_argument(
+        "--chains",
+        default=",".join(CHAINS),
+        help=f"the chains to evaluate, comma separated (default: {','.join(CHAINS)}; base is always among them)",
+    )
+    ap.add_argument("--one-role-k", type=int, default=0, help="K of verifier_only and refiner_only (default: --k)")
+    ap.add_argument("--pairs-per-group", type=int, default=0, help="train's --pairs-per-group (default: 0)")
     for key, value in PRESETS["default"].items():
         ap.add_argument(
             "--" + key.replace("_", "-"), type=type(value), help=f"(default: {value}; --tiny: {PRESETS['tiny'][key]})"
@@ -446,23 +479,43 @@ def main():
         data = os.path.join(folder, "cases.json")
         # the release's split: 80% train, 20% test
         synthetic_cases(data, max(args.train_cases * 5 // 4, args.test_cases * 5) + 5)
+    chains = args.chains.split(",")
+    if "base" not in chains or set(chains) - set(CHAINS):
+        sys.exit(f"--chains {args.chains}: base and any of {', '.join(CHAINS)}")
     server, url = serve(RuleJudge(privact.load_cases(data, "all")))
     try:
-        reports, actions, pairs = run_round(args, folder, data, url)
+        reports, actions, pairs, seconds = run_round(args, folder, data, url)
     finally:
         server.shutdown()
     result = {name: summary_of(report, actions[name]) for name, report in reports.items()}
-    result["paired"] = {name: paired(reports["base"], reports[name], args.seed) for name in CHAINS if name != "base"}
-    trained = result["paired"]["trained"]
-    result["holds"] = {
-        "leaks_less": trained["leak_diff_ci95"][1] < 0,
-        "helpfulness_kept": trained["help_diff_ci95"][1] >= 0,
-    }
+    # paired over the cases of both chains: a chain at another K pairs its per-case rates with the base's
+    result["paired"] = {name: paired(reports["base"], reports[name], args.seed) for name in chains if name != "base"}
+    result["holds"] = holds_of(result["paired"])
+    result["stage_seconds"] = seconds
+    print(f"pairs: {pairs}; seconds per stage: {seconds}")
+    print_table(result, chains)
+    flags = {**vars(args), "pairs": pairs, "cpu": common_cpu()}
+    print(json.dumps({**result, "seconds": round(time.time() - start, 1), "flags": flags}))
+
+
+def holds_of(paired_diffs):
+    """What the round shows, of the chains evaluated: the trained chain's paired leak interval below zero and its
+    paired helpfulness interval reaching zero or above; each one-role chain's leak interval below zero."""
+    holds = {}
+    if "trained" in paired_diffs:
+        trained = paired_diffs["trained"]
+        holds["leaks_less"] = trained["leak_diff_ci95"][1] < 0
+        holds["helpfulness_kept"] = trained["help_diff_ci95"][1] >= 0
     for role in ("verifier_only", "refiner_only"):
-        result["holds"][f"{role}_leaks_less"] = result["paired"][role]["leak_diff_ci95"][1] < 0
-    print(f"pairs: {pairs}")
+        if role in paired_diffs:
+            holds[f"{role}_leaks_less"] = paired_diffs[role]["leak_diff_ci95"][1] < 0
+    return holds
+
+
+def print_table(result, chains):
+    """Each chain's leak rates, helpfulness and paired leak difference, with their 95% intervals; then what holds."""
     print(f"{'chain':>14} {'leak rate':>22} {'valid-only leak':>22} {'helpfulness':>22} {'paired leak diff':>26}")
-    for name in CHAINS:
+    for name in chains:
         row = result[name]
         leak = f"{row['leak_rate']:.3f} [{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}]"
         valid_leak = "-"
@@ -477,8 +530,6 @@ def main():
             )
         print(f"{name:>14} {leak:>22} {valid_leak:>22} {helpful:>22} {difference:>26}")
     print(f"holds: {result['holds']}")
-    flags = {**vars(args), "pairs": pairs, "cpu": common_cpu()}
-    print(json.dumps({**result, "seconds": round(time.time() - start, 1), "flags": flags}))
 
 
 def common_cpu():

@@ -66,22 +66,23 @@ def response(case, leaks, n):
     return f"{thought}\nAction: {tool}\nAction Input: {json.dumps({argument: body})}"
 
 
-def make_pairs(data, groups, path):
-    """`groups` sibling groups of 4 refiner responses on train cases, values 1 (positives) and -1, split at tau 0 by
-    privact.build_pairs; written as collect writes pairs (through their text: no sampled ids)."""
+def make_pairs(data, groups, path, siblings=4):
+    """`groups` sibling groups of `siblings` refiner responses on train cases, values 1 (positives) and -1, split at tau
+    0 by privact.build_pairs (SPLITS scaled to the group); written as collect writes pairs (through their text: no
+    sampled ids)."""
     rows = []
     for index, case in enumerate(privact.load_cases(data, "train", groups)):
         trajectory = case["trajectory"]
         tool = trajectory["final_action"]
         draft = f"Thought: I will do what {trajectory['user_name']} asked.\nAction: {tool}\nAction Input: {{}}"
         chat = privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")])
-        positives = SPLITS[index % len(SPLITS)]
-        siblings = []
-        for n in range(4):
+        positives = SPLITS[index % len(SPLITS)] * siblings // 4
+        nodes = []
+        for n in range(siblings):
             leaks = n >= positives
             node = privact.Node("refiner", chat, response(case, leaks, n), value=-1.0 if leaks else 1.0)
-            siblings.append(node)
-        root = privact.Node("input", [], children=siblings)
+            nodes.append(node)
+        root = privact.Node("input", [], children=nodes)
         for pair in privact.build_pairs(root, {"refiner": 0.0}):
             rows.append({"case": case["name"], **pair})
     with open(path, "w") as fh:
@@ -94,7 +95,12 @@ def row_tokens(args, rows):
     tok = privact.load_tokenizer(args.model)
     examples, _ = privact.tokenize_pairs(tok, rows, 10**6)
     groups = privact.group_pairs(examples)
-    grouped = sum(len(group.prompt) + sum(map(len, group.responses)) for group in groups)
+    grouped = 0
+    for group in groups:
+        # a group of more than --batch-size pairs trains in rows of --batch-size, each its prompt and its responses
+        for row in privact.cut(group, args.batch_size):
+            responses = {tuple(response) for pair in row.pairs for response in pair}
+            grouped += len(row.prompt) + sum(map(len, responses))
     per_pair = sum(len(prompt) + len(chosen) + len(rejected) for prompt, chosen, rejected in examples)
     trl = sum(2 * len(prompt) + len(chosen) + len(rejected) for prompt, chosen, rejected in examples)
     return {"privact": grouped, "privact-per-pair": per_pair, "trl": trl}, len(groups)
@@ -124,8 +130,8 @@ def gradient_noise(args, rows):
     gradients = []
     nodes = []
     for node, group in enumerate(privact.group_pairs(examples)):
-        for chosen, rejected in group.pairs:
-            single = privact.Group(group.prompt, [group.responses[chosen], group.responses[rejected]], [(0, 1)])
+        for pair in group.pairs:
+            single = privact.Group(group.prompt, [pair])
             model.zero_grad()
             logps = privact.response_logps(model, privact.collate_groups([single], tok.pad_token_id))
             (logps[0] - logps[1]).backward()
@@ -138,7 +144,7 @@ def gradient_noise(args, rows):
     same_node.fill_diagonal_(False)
     rho = (gram[same_node].mean() / gram.diagonal().mean()).item()
     result = {"pairs": len(nodes), "nodes": len(set(nodes)), "rho": round(rho, 4), "settings": {}}
-    start = {"step": 0, "epoch": 0, "groups": 0}
+    start = {"step": 0, "epoch": 0, "epoch_pairs": 0}
     for most in (0, 2, 1):
         groups = privact.group_pairs(examples, most)
         sizes = [len(group.pairs) for group in groups]
@@ -160,7 +166,8 @@ def run_privact(args, pairs, out):
         flags += ["--pairs-per-group", 1]
     if privact.main([str(flag) for flag in flags]):
         sys.exit("privact train failed")
-    return privact.read_json(os.path.join(out, "train_metrics.json"))["pairs"]
+    metrics = privact.read_json(os.path.join(out, "train_metrics.json"))
+    return metrics["pairs_trained"], len(metrics["history"])
 
 
 def run_trl(args, pairs, out):
@@ -198,16 +205,21 @@ def run_trl(args, pairs, out):
         model=model, args=cfg, train_dataset=datasets.Dataset.from_list(examples), processing_class=tok
     )
     trainer.train()
-    return len(rows) * args.epochs
+    return len(rows) * args.epochs, trainer.state.global_step
 
 
 def child(args):
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         train = run_trl if args.child == "trl" else run_privact
-        pairs = train(args, args.pairs, os.path.join(tmp, "out"))
+        pairs, steps = train(args, args.pairs, os.path.join(tmp, "out"))
     seconds = time.perf_counter() - start
-    result = {"trainer": args.child, "pairs": pairs, "seconds": round(seconds, 1)}
+    result = {
+        "trainer": args.child,
+        "pairs": pairs,
+        "steps_an_epoch": steps / args.epochs,
+        "seconds": round(seconds, 1),
+    }
     result["pairs_per_s"] = round(pairs / seconds, 4)
     result["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print("RESULT " + json.dumps(result))
@@ -231,6 +243,7 @@ def run_trainers(args, trainers, tokens, ceiling):
         results[name] = result
         print(
             f"{name:>16}: {result['pairs']} pairs in {result['seconds']} s = {result['pairs_per_s']} pairs/s, "
+            f"{result['steps_an_epoch']:g} steps an epoch, "
             f"peak RSS {result['peak_rss_mb']} MB, {tokens[name]} row tokens an epoch, "
             f"{result['share_of_ceiling']:.0%} of the CPU's forward rate",
             flush=True,
@@ -240,8 +253,14 @@ def run_trainers(args, trainers, tokens, ceiling):
 
 def main():
     ap = common.parser(__doc__, data="", model="smollm2")
-    ap.add_argument("--groups", type=int, default=4, help="sibling groups of 4 responses, one per train case")
-    ap.add_argument("--batch-size", type=int, default=4, help="privact's pairs per micro-batch (whole groups)")
+    ap.add_argument("--groups", type=int, default=4, help="sibling groups, one per train case")
+    ap.add_argument(
+        "--siblings",
+        type=int,
+        default=4,
+        help="responses per group, split 2-2, 1-3, 3-1, 2-2 scaled (8: 16, 12, 12, 16 pairs a group)",
+    )
+    ap.add_argument("--batch-size", type=int, default=4, help="privact's most pairs per micro-batch")
     ap.add_argument("--grad-accum", type=int, default=2, help="privact's micro-batches per optimizer step")
     ap.add_argument(
         "--trl-batch-size",
@@ -264,10 +283,11 @@ def main():
     # TRL reads the config again from the path: every trainer gets a plain transformers folder
     args.model = privact.model_source(args.model)
     if args.gradient_noise:
-        rows = privact.read_json(args.pairs) if args.pairs else make_pairs(args.data, args.groups, f"{tmp}/pairs.jsonl")
+        pairs = f"{tmp}/pairs.jsonl"
+        rows = privact.read_json(args.pairs) if args.pairs else make_pairs(args.data, args.groups, pairs, args.siblings)
         return gradient_noise(args, rows)
     args.pairs = os.path.join(tmp, "pairs_refiner.jsonl")
-    rows = make_pairs(args.data, args.groups, args.pairs)
+    rows = make_pairs(args.data, args.groups, args.pairs, args.siblings)
     tokens, groups = row_tokens(args, rows)
     trainers = args.trainers.split(",")
     try:
