@@ -2579,10 +2579,11 @@ class TrainConfig:
     batch_size: int = opt(8, low=1)
     """the most pairs per process in a micro-batch, in rows of one prompt each: a node's pairs share a row, and a node
     of more pairs takes several; after an out-of-memory error, rerun with a smaller one: it resumes each pair left"""
-    pairs_per_group: int = opt(0, low=0)
-    """the most pairs of one node in a group, its further pairs in further groups, shuffled apart. 0: all of them (a
-    group of more than --batch-size trains in several rows, in one run); 1: one pair a row, each step's pairs from as
-    many nodes as it holds pairs, as the release's shuffle draws them, for the prompt's cost once per pair"""
+    pairs_per_group: int = opt(4, low=0)
+    """the most pairs of one node in a group (a row, its prompt run once for them), its further pairs in further groups,
+    shuffled apart: 4, all the pairs of a node at the paper's 4,4,4 (2 x 2 siblings); 0, all of a node's; 1, one pair a
+    row, each step's pairs from as many nodes as it holds pairs, as the release's shuffle draws them, for the prompt's
+    cost once per pair"""
     grad_accum: int = opt(4, low=1)
     """micro-batches per process in an optimizer step, which holds at most --batch-size x --grad-accum x processes
     pairs (8 x 4: the paper's 32; in the groups of 3-4 pairs a 4,4,4 collect makes, 24-32)"""

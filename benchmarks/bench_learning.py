@@ -460,7 +460,8 @@ def main():
         help=f"the chains to evaluate, comma separated (default: {','.join(CHAINS)}; base is always among them)",
     )
     ap.add_argument("--one-role-k", type=int, default=0, help="K of verifier_only and refiner_only (default: --k)")
-    ap.add_argument("--pairs-per-group", type=int, default=0, help="train's --pairs-per-group (default: 0)")
+    most = privact.TrainConfig().pairs_per_group
+    ap.add_argument("--pairs-per-group", type=int, default=most, help=f"train's --pairs-per-group (default: {most})")
     for key, value in PRESETS["default"].items():
         ap.add_argument(
             "--" + key.replace("_", "-"), type=type(value), help=f"(default: {value}; --tiny: {PRESETS['tiny'][key]})"

@@ -26,9 +26,10 @@ recomputation under checkpointing, and a backward at twice a forward), over the 
 --gradient-noise measures what a step of whole groups costs in gradient noise instead: each pair's DPO gradient at
 the starting weights (where it is -beta/2 times the gradient of log pi(chosen) - log pi(rejected)), every 32nd
 coordinate of every parameter kept; the correlation rho of two centred pair gradients of one node against their
-variance; and, for --pairs-per-group 0 (whole groups), 2 and 1, the steps an epoch takes at privact's defaults (8
-pairs x 4 a step), the mean pairs a step, and the variance of a step's mean gradient against a step of as many pairs
-drawn apart, 1 + (m - 1) rho for rows of m pairs (m weighted by pairs). On the synthetic pairs, or on --pairs.
+variance; and, for --pairs-per-group 0 (whole groups), 4 (the default), 2 and 1, the steps an epoch takes at
+privact's defaults (8 pairs x 4 a step), the mean pairs a step, and the variance of a step's mean gradient against a
+step of as many pairs drawn apart, 1 + (m - 1) rho for rows of m pairs (m weighted by pairs). On the synthetic pairs,
+or on --pairs.
 
 TRL is a benchmark-only dependency (`pip install trl`); privact.py never imports it. Without it the two privact arms
 run alone. TRL's micro-batch holds --trl-batch-size pairs (its rows take far more memory than privact's), with the
@@ -145,7 +146,7 @@ def gradient_noise(args, rows):
     rho = (gram[same_node].mean() / gram.diagonal().mean()).item()
     result = {"pairs": len(nodes), "nodes": len(set(nodes)), "rho": round(rho, 4), "settings": {}}
     start = {"step": 0, "epoch": 0, "epoch_pairs": 0}
-    for most in (0, 2, 1):
+    for most in (0, 4, 2, 1):
         groups = privact.group_pairs(examples, most)
         sizes = [len(group.pairs) for group in groups]
         rows_m = sum(size * size for size in sizes) / sum(sizes)
