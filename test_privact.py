@@ -2722,7 +2722,7 @@ def test_train_on_two_processes_sits_at_log2_and_reaches_one_processs_weights(tm
     proc = torchrun(2, *train_args(pairs, tmp_path / "ddp", tiny_model, *still), port=29545)
     assert proc.wait(timeout=600) == 0, proc.stdout.read()[-3000:]
     metrics = json.loads((tmp_path / "ddp" / "train_metrics.json").read_text())
-    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 6 and metrics["pairs"] == 18
+    assert metrics["flags"]["num_processes"] == 2 and metrics["step"] == 6 and metrics["pairs_trained"] == 18
     assert [row["epoch"] for row in metrics["history"]] == [0, 0, 0, 1, 1, 1]
     assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-6) for row in metrics["history"])
     moved = ("--lr", "1e-3", "--epochs", "2")
