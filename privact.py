@@ -62,11 +62,8 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import parse_flag_from_env, set_seed
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer
-from transformers import GenerationConfig
-from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import eager_mask
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, StaticCache
+from transformers.cache_utils import StaticLayer
 
 # every text an agent or ConfAIde's model reads; the judge's prompts are PrivacyLens's, in data/privacylens/
 import judge_prompts as P
@@ -719,7 +716,7 @@ def collate_groups(groups, pad_id):
 
 def padded(rows, value):
     """Lists of ints -> [B, longest], right-padded with `value`."""
-    tensors = [torch.tensor(row, dtype=torch.long) for row in rows]
+    tensors = [torch.tensor(row) for row in rows]
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
 
 
@@ -1386,148 +1383,71 @@ def prefix_families(prompts):
     return sorted(families, key=longest_member, reverse=True)
 
 
-# the attention of generation's models: sdpa's in a prefill, and in a decode step each tier read once for its rows
-TIERED = "privact_tiers"
+def prefill(model, prompts, family_of, pad_id, room):
+    """Left-padded ids and mask [n, W] of n token-id prompts, and a StaticCache of W - 1 + room positions holding
+    their first W - 1 tokens; generate's first step then reads each prompt's last token.
 
-
-class TieredLayer(DynamicLayer):
-    """One layer's keys and values in tiers, each held once for the rows that read it (prefill): the families'
-    prefixes [F, kv_heads, P, head_dim], the prompts' rests [n, kv_heads, R, head_dim], then every row's own tokens
-    [N, kv_heads, t, head_dim], as a DynamicLayer holds them. The cache's columns are the tiers' in that order. tiers:
-    [(keys, values, rows, slot)] with a tier's readers (tiered_cache): rows [S, m], the rows that read each of its S
-    segments, and slot [N], each row's place in rows.flatten()."""
-
-    def __init__(self, tiers):
-        super().__init__()
-        self.tiers = tiers
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """The new tokens' keys and values after the own tier's; tiered_attention reads the layer, every tier."""
-        super().update(key_states, value_states)
-        return self, self
-
-    def get_seq_length(self):
-        return sum(keys.shape[2] for keys, *_ in self.tiers) + super().get_seq_length()
-
-
-def tiered_cache(tiers, layers):
-    """A Cache of `layers` TieredLayers over `tiers` [(a filled cache, the segment each row reads)], a segment's rows
-    side by side. Its readers: rows [S, m], the rows of each segment (a shorter one padded with row 0), and slot [N]."""
-    tables = []
-    for _, segment_of in tiers:
-        _, segment, counts = torch.unique(torch.as_tensor(segment_of), return_inverse=True, return_counts=True)
-        place = torch.arange(len(segment)) - (counts.cumsum(0) - counts)[segment]
-        rows = torch.zeros(len(counts), int(counts.max()), dtype=torch.long)
-        rows[segment, place] = torch.arange(len(segment))
-        tables.append((rows, segment * rows.shape[1] + place))
-    cache_layers = []
-    for index in range(layers):
-        layer_tiers = []
-        for (cache, _), (rows, slot) in zip(tiers, tables, strict=True):
-            layer = cache.layers[index]
-            layer_tiers.append((layer.keys, layer.values, rows.to(layer.keys.device), slot.to(layer.keys.device)))
-        cache_layers.append(TieredLayer(layer_tiers))
-    return Cache(layers=cache_layers)
-
-
-def tiered_attention(module, query, key, value, attention_mask, **kwargs):
-    """Attention over a TieredLayer, `key` (query [N, heads, q, head_dim] -> [N, q, heads, head_dim]). A prefill (q > 1)
-    gathers every row's keys and values from the tiers, once a layer, for sdpa's. A decode step reads each tier once
-    for all the rows that share it, in one batched product per tier (Hydragen; FlashInfer's cascade), and the scores
-    of every tier go through one softmax: exact, as if each row held its whole sequence."""
-    layer = key
-    rows = torch.arange(len(query), device=query.device)
-    tiers = [*layer.tiers, (layer.keys, layer.values, rows[:, None], rows)]
-    if query.shape[2] > 1:
-        keys = torch.cat([tier_keys[slot // readers.shape[1]] for tier_keys, _, readers, slot in tiers], 2)
-        values = torch.cat([tier_values[slot // readers.shape[1]] for _, tier_values, readers, slot in tiers], 2)
-        return sdpa_attention_forward(module, query, keys, values, attention_mask, **kwargs)
-    kv_heads = layer.keys.shape[1]
-    scores = []
-    for keys, _, readers, slot in tiers:
-        # a segment's rows side by side, [S, m, kv_heads, heads / kv_heads, 1, head_dim], read its keys once
-        grouped = query[readers].unflatten(2, (kv_heads, -1))
-        tier_scores = torch.einsum("smkgqd,skld->smkgql", grouped, keys)
-        scores.append(tier_scores.flatten(0, 1).flatten(1, 2)[slot])  # [N, heads, 1, L]
-    logits = torch.cat(scores, -1).float() * kwargs["scaling"] + attention_mask
-    lengths = [keys.shape[2] for keys, *_ in tiers]
-    probs = logits.softmax(-1).to(query.dtype).split(lengths, -1)
-    output = 0
-    for (_, values, readers, slot), tier_probs in zip(tiers, probs, strict=True):
-        grouped = tier_probs[readers].unflatten(2, (kv_heads, -1))
-        tier_output = torch.einsum("smkgql,skld->smkgqd", grouped, values)
-        output = output + tier_output.flatten(0, 1).flatten(1, 2)[slot]  # [N, heads, 1, head_dim]
-    return output.transpose(1, 2).contiguous(), None
-
-
-def positional_mask(*args, mask_function, kv_length, attention_mask=None, **kwargs):
-    """transformers' eager mask, its causal and sliding-window tests made on each column's position (the real tokens of
-    its row up to it), not on the column: a row has padding between its prefix and its rest."""
-    if attention_mask is not None:
-        positions = F.pad(attention_mask.long(), (0, kv_length - attention_mask.shape[-1])).cumsum(-1)
-        mask_function = functools.partial(at_positions, mask_function, positions)
-    return eager_mask(*args, mask_function=mask_function, kv_length=kv_length, attention_mask=attention_mask, **kwargs)
-
-
-def at_positions(mask_function, positions, batch, head, q, kv):
-    """A mask function of columns (transformers': batch, head, query and key indices) read at their positions."""
-    return mask_function(batch, head, positions[batch, q], positions[batch, kv])
-
-
-def prefill(model, prompts, family_of, samples, pad_id):
-    """n token-id prompts, each to be sampled `samples` times -> their rows' ids and mask [n x samples, W] and a cache
-    of TieredLayers holding every column but the last; generate's first step then reads each prompt's last token.
-
-    A row is [pad | its family's shared prefix | pad | the rest of its prompt] (family_of: n labels). The prefixes go
-    through the model once, one row per family: tier 0, [F, kv_heads, P, head_dim]. The rests, their last token aside,
-    go through it once per prompt, reading their family's prefix: tier 1, [n, kv_heads, R, head_dim]. Position ids
-    count real tokens only, so each row sees the keys at the positions it would see alone: greedy decoding gives
-    plain generate's tokens. -> (ids, mask, cache)"""
-    families = {}
-    for index, label in enumerate(family_of):
-        families.setdefault(label, []).append(index)
-    shared = {}
-    for label, members in families.items():
+    The common prefix of each family (family_of: n labels) goes through the model once, alone ([1, p]), and its
+    keys and values are written into every member's row where the member's tokens start. Then what follows
+    the prefixes goes through the model for all rows at once, over the last columns that hold it (a member
+    with a shorter rest recomputes a few of its prefix's tokens). Position ids count real tokens only, so every
+    row sees the keys and positions it would see alone: greedy decoding gives plain generate's tokens.
+    """
+    width = max(map(len, prompts))
+    starts = [width - len(prompt) for prompt in prompts]
+    rows = [[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)]
+    ids = torch.tensor(rows).to(model.device)
+    real = torch.arange(width) >= torch.tensor(starts)[:, None]  # [n, W]: not padding
+    mask = real.long().to(model.device)
+    cache_len = width - 1 + room
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    # full layers for sliding-window ones too (the model's mask still limits them): transformers' sliding
+    # static layers roll their window, which cannot be filled by hand
+    cache.layers = [StaticLayer(max_cache_len=cache_len) for _ in cache.layers]
+    # the longest part of a prompt after its family's shared prefix, its last token aside
+    rest = 0
+    for label in dict.fromkeys(family_of):
+        members = [i for i, of in enumerate(family_of) if of == label]
         seqs = [prompts[i] for i in members]
         # the last token of each prompt is left for generate's first step
-        shared[label] = min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
-    prefixes = []
-    rests = []
-    for prompt, label in zip(prompts, family_of, strict=True):
-        prefixes.append(prompt[: shared[label]])
-        rests.append(prompt[shared[label] :])
-    prefix_ids, prefix_mask = left_padded(prefixes, pad_id)
-    rest_ids, rest_mask = left_padded(rests, pad_id)
-    ids = torch.cat([prefix_ids, rest_ids], 1).to(model.device)
-    mask = torch.cat([prefix_mask, rest_mask], 1).to(model.device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    width = prefix_ids.shape[1]
-    everyone = list(range(len(prompts)))
-    firsts = [members[0] for members in families.values()]
-    # (the rows that run, the tier's segment each prompt reads, its columns): the prefixes, then the rests
-    stages = ((firsts, family_of, slice(0, width)), (everyone, everyone, slice(width, ids.shape[1] - 1)))
-    tiers = []
-    for stage_rows, segment_of, columns in stages:
-        if columns.start == columns.stop:
-            continue
-        # the rests read the prefixes' tier
-        cache = tiered_cache(tiers, model.config.num_hidden_layers)
-        inputs = {"input_ids": ids[stage_rows, columns], "position_ids": positions[stage_rows, columns]}
-        model(**inputs, attention_mask=mask[stage_rows, : columns.stop], cache=cache, logits_to_keep=1)
-        tiers.append((cache, segment_of))
-    # each row of generate's batch is a prompt's sample
-    sampled = []
-    for cache, segment_of in tiers:
-        sampled.append((cache, torch.tensor(segment_of).repeat_interleave(samples)))
-    cache = tiered_cache(sampled, model.config.num_hidden_layers)
-    return ids.repeat_interleave(samples, 0), mask.repeat_interleave(samples, 0), cache
+        shortest = min(map(len, seqs))
+        longest = max(map(len, seqs))
+        common = len(os.path.commonprefix(seqs))
+        shared = min(common, shortest - 1)
+        rest = max(rest, longest - 1 - shared)
+        if shared > 0:
+            write_prefix(model, cache, seqs[0][:shared], members, starts)
+    columns = slice(width - 1 - rest, width - 1)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(columns.start)
+    if rest > 0:
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them from the mask
+        model(
+            input_ids=ids[:, columns],
+            attention_mask=mask[:, : columns.stop],
+            position_ids=positions[:, columns],
+            cache=cache,
+            logits_to_keep=1,
+        )
+    return ids, mask, cache
 
 
-def left_padded(seqs, pad_id):
-    """Lists of token ids -> ids and mask [B, longest], each list at the right end, padding on its left."""
-    ids = padded([seq[::-1] for seq in seqs], pad_id).flip(1)
-    mask = padded([[1] * len(seq) for seq in seqs], 0).flip(1)
-    return ids, mask
+def write_prefix(model, cache, prefix, rows, starts):
+    """Run `prefix` through the model alone and write its keys and values into `rows` of the static cache, each
+    at the column where its tokens start (starts: one per row of the cache)."""
+    alone = DynamicCache()
+    prefix_ids = torch.tensor([prefix], device=model.device)
+    model(input_ids=prefix_ids, cache=alone, logits_to_keep=1)
+    for static, layer in zip(cache.layers, alone.layers, strict=True):
+        # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim], written into one row
+        if not static.is_initialized:
+            all_rows = layer.keys.expand(len(starts), -1, -1, -1)
+            static.lazy_initialization(all_rows, layer.values)
+        for row in rows:
+            start = starts[row]
+            columns = slice(start, start + len(prefix))
+            static.keys[row, :, columns] = layer.keys
+            static.values[row, :, columns] = layer.values
 
 
 @torch.inference_mode()
@@ -1563,34 +1483,22 @@ def generate(model, tok, chats, decoding, cfg):
         batch = order[first : first + per_batch]
         batch_prompts = [prompts[i] for i in batch]
         labels = [family_of[i] for i in batch]
-        with attending_in_tiers(model):
-            ids, mask, cache = prefill(model, batch_prompts, labels, samples, tok.pad_token_id)
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                cache=cache,
-                generation_config=gen,
-                prefix_allowed_tokens_fn=decoding.allowed,
-                tokenizer=tok,
-            )
+        ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id, gen.max_new_tokens)
+        for layer in cache.layers:  # [n, kv_heads, positions, head_dim] -> [n * B, ...]
+            layer.keys = layer.keys.repeat_interleave(samples, 0)
+            layer.values = layer.values.repeat_interleave(samples, 0)
+        out = model.generate(
+            input_ids=ids.repeat_interleave(samples, 0),
+            attention_mask=mask.repeat_interleave(samples, 0),
+            cache=cache,
+            generation_config=gen,
+            prefix_allowed_tokens_fn=decoding.allowed,
+            tokenizer=tok,
+        )
         completions = completions_of(tok, out, ids.shape[1], decoding, gen.eos_token_id)
         for j, i in enumerate(batch):
             results[i] = completions[j * samples : (j + 1) * samples]
     return results
-
-
-@contextlib.contextmanager
-def attending_in_tiers(model):
-    """Inside the block the model attends with tiered_attention and positional_mask (through transformers'
-    AttentionInterface and AttentionMaskInterface); after it, with its own attention again."""
-    AttentionInterface.register(TIERED, tiered_attention)
-    AttentionMaskInterface.register(TIERED, positional_mask)
-    own = model.config._attn_implementation
-    model.set_attn_implementation(TIERED)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(own)
 
 
 def completions_of(tok, out, width, decoding, ends, tail=4):

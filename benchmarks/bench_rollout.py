@@ -10,8 +10,8 @@ with the release's protocol), several ways, on the same model, seed and budgets:
 - privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
                         one level, a leaf's judge prompts) prefilled once per family, each tier of keys and
                         values read once per decode step for the rows that share it;
-- before:               the generation of an earlier privact.py (--before FILE), e.g. the version that copied each
-                        shared prefix's keys and values into every row and sample.
+- other:                the generation of another privact.py (--other FILE), e.g. the cascade-attention version of
+                        commit 0d124f1, which reads each shared prefix's keys and values once per decode step.
 
 Each arm swaps privact.generate (or privact.prefix_families, or the module) and calls rollout_chunk, which clocks
 the policy and the judge apart. Sampling draws other trees in each arm; their shapes and budgets are the same, so
@@ -23,8 +23,8 @@ this CPU pushes through the model (one forward of [--batch-size, 256]) and the d
 ceiling (a [2048, 2048] product in the model's dtype).
 
     python benchmarks/bench_rollout.py                          # 2 cases, branching 2,2,2, 64 tokens, judge 64
-    git show 2598d13:privact.py > /tmp/before.py                # the version that copied shared prefixes
-    python benchmarks/bench_rollout.py --arms before,privact --before /tmp/before.py --split test --cases 8 \
+    git show 0d124f1:privact.py > /tmp/cascade.py               # the cascade-attention version
+    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/cascade.py --split test --cases 2 \
         --branching 13,1,1 --max-new-tokens 96 --temperature 0.7 --dtype bfloat16 --judge-verdict forced
     python benchmarks/bench_rollout.py --tiny DIR               # a tiny random model, seconds (the tests run it)
 """
@@ -135,14 +135,14 @@ def matmul_ceiling(dtype, n=2048):
     return best
 
 
-def load_before(path):
-    """An earlier privact.py, loaded as a module of its own (its generation code as it was)."""
+def load_other(path):
+    """Another privact.py, loaded as a module of its own (its generation code as it is there)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("privact_before", path)
+    spec = importlib.util.spec_from_file_location("privact_other", path)
     module = importlib.util.module_from_spec(spec)
     # its dataclasses look their module up by name
-    sys.modules["privact_before"] = module
+    sys.modules["privact_other"] = module
     spec.loader.exec_module(module)
     # the bundled data (the judge's prompts) of this checkout
     module.HERE = privact.HERE
@@ -193,9 +193,9 @@ def one_prompt_families(prompts):
     return [[i] for i in range(len(prompts))]
 
 
-def run_arm(arm, cases, chain, models, cfg, before=None):
+def run_arm(arm, cases, chain, models, cfg, other=None):
     """rollout_chunk with `arm`'s generation -> its counts (seconds and generated tokens of policy and judge);
-    `before`: the earlier privact module of the arm "before"."""
+    `other`: the privact module of the arm "other"."""
     real_generate, real_families = privact.generate, privact.prefix_families
     if arm == "generate-batched":
         privact.generate = plain_generate
@@ -203,7 +203,7 @@ def run_arm(arm, cases, chain, models, cfg, before=None):
         privact.generate = lambda *a: plain_generate(*a, per_prompt=True)
     elif arm == "privact-per-prompt":
         privact.prefix_families = one_prompt_families
-    module = before if arm == "before" else privact
+    module = other if arm == "other" else privact
     try:
         torch.manual_seed(cfg.seed)
         _, counts = module.rollout_chunk(cases, module.Chain(*chain), models, cfg)
@@ -249,7 +249,7 @@ def parse_args():
     )
     ap.add_argument("--judge-verdict", default="generated", help="generated (the release's) or forced (one token)")
     ap.add_argument("--arms", default=",".join(ARMS), help="the arms to run, comma separated, in this order")
-    ap.add_argument("--before", default="", help="an earlier privact.py, run as the arm 'before'")
+    ap.add_argument("--other", default="", help="another privact.py, run as the arm 'other'")
     ap.add_argument("--tiny", metavar="DIR", help="a tiny model folder instead of --model: 1 case, 1,2,2, 8 tokens")
     ap.add_argument("--json", help="also write the result here")
     args = ap.parse_args()
@@ -287,7 +287,7 @@ def report(arm, counts, clock, args, ceilings):
 def main():
     args = parse_args()
     arms = args.arms.split(",")
-    before = load_before(args.before) if "before" in arms else None
+    other = load_other(args.other) if "other" in arms else None
     branching = privact.parse_branching(args.branching, ["generator", "verifier", "refiner"])
     # collect's --dtype auto
     dtype = args.dtype if args.dtype != "auto" else "bfloat16" if torch.cuda.is_available() else "float32"
@@ -317,7 +317,7 @@ def main():
     results = {}
     for arm in arms:
         clock.reset()
-        counts = run_arm(arm, cases, chain, models, cfg, before)
+        counts = run_arm(arm, cases, chain, models, cfg, other)
         results[arm] = report(arm, counts, clock, args, ceilings)
     # each arm against the first (what a user writes), and the prefix families against prefill-once-per-prompt
     comparisons = [(arms[0], arm) for arm in arms[1:]]
