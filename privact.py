@@ -762,8 +762,9 @@ def response_logps(model, batch):
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta):
-    """-log sigmoid(beta ((pi_c - pi_r) - (ref_c - ref_r))); all inputs [B] -> three [B] tensors: losses,
-    chosen rewards beta (pi_c - ref_c), rejected rewards beta (pi_r - ref_r)."""
+    """DPO's loss (Rafailov et al. 2023, Eq. 7; the paper's 3.2.2), -log sigmoid(beta ((pi_c - pi_r) - (ref_c -
+    ref_r))), pi and ref the summed log-probs of a response under the policy and the reference; all inputs [B] -> three
+    [B] tensors: losses, chosen rewards beta (pi_c - ref_c), rejected rewards beta (pi_r - ref_r)."""
     policy_margin = policy_chosen - policy_rejected
     reference_margin = ref_chosen - ref_rejected
     losses = -F.logsigmoid(beta * (policy_margin - reference_margin))
@@ -867,25 +868,26 @@ def plan_steps(groups, role, progress, cfg, process=0, processes=1):
             group = groups[index]
             rows += cut(Group(group.prompt, group.pairs[left_out:]), cfg.batch_size)
             left_out = max(0, left_out - len(group.pairs))
-        micro_batches = pack_groups(rows, cfg.batch_size)
-        for first in range(0, len(micro_batches), per_step):
-            step_batches = micro_batches[first : first + per_step]
-            step_pairs = sum(len(group.pairs) for batch in step_batches for group in batch)
+        packs = pack_groups(rows, cfg.batch_size)
+        for first in range(0, len(packs), per_step):
+            step_packs = packs[first : first + per_step]
+            step_pairs = sum(len(group.pairs) for pack in step_packs for group in pack)
             trained += step_pairs
-            mine = deal(step_batches, process, processes)
+            mine = deal(step_packs, process, processes)
             steps.append(Step(epoch, trained, step_pairs, mine))
     if cfg.max_steps:
         return steps[: max(0, cfg.max_steps - progress["step"])]
     return steps
 
 
-def deal(batches, process, processes):
-    """A step's micro-batches (lists of groups) -> this process's: every `processes`-th from the `process`-th. One left
-    short runs the step's first again at weight 0, so that every process joins every all-reduce."""
-    mine = [MicroBatch(batch) for batch in batches[process::processes]]
-    rounds = math.ceil(len(batches) / processes)
+def deal(packs, process, processes):
+    """A step's packs of groups (pack_groups) -> this process's MicroBatches: every `processes`-th pack from the
+    `process`-th. One left short runs the step's first pack again at weight 0, so that every process joins every
+    all-reduce."""
+    mine = [MicroBatch(pack) for pack in packs[process::processes]]
+    rounds = math.ceil(len(packs) / processes)
     if len(mine) < rounds:
-        mine.append(MicroBatch(batches[0], weight=0.0))
+        mine.append(MicroBatch(packs[0], weight=0.0))
     return mine
 
 
@@ -911,13 +913,12 @@ def train_dpo(run, policy, optimizer, steps):
     steps_before = run.progress["step"]
     total = steps_before + len(steps)
     bar = tqdm(steps, "DPO", initial=steps_before, total=total, unit="step", disable=not accelerator.is_main_process)
+    # accelerate divides each loss by --grad-accum and DDP averages the processes' gradients: undone by this factor
+    undo_averaging = cfg.grad_accum * accelerator.num_processes
     for number, step in enumerate(bar, steps_before):
         lr = cosine_lr(number, total, cfg)
         for params in optimizer.param_groups:
             params["lr"] = lr
-        # accelerate divides each loss by --grad-accum and DDP averages the processes' gradients: undone here, so the
-        # step's gradient is the mean over its pairs on every process, as transformers' Trainer makes it
-        scale = cfg.grad_accum * accelerator.num_processes / step.num_pairs
         sums = collections.Counter()
         for micro in step.micro_batches:
             last = micro is step.micro_batches[-1]
@@ -927,7 +928,9 @@ def train_dpo(run, policy, optimizer, steps):
             with accumulating:
                 batch = collate_groups(micro.groups, run.pad_id)
                 loss, metrics = dpo_step(policy, batch, micro.reference, cfg.beta)
-                accelerator.backward(loss * scale * micro.weight)
+                # the step's objective: the mean of its pairs' DPO losses over every process's micro-batches
+                objective = loss * micro.weight / step.num_pairs
+                accelerator.backward(objective * undo_averaging)
             for name, value in metrics.items():
                 sums[name] += value * micro.weight
         grad_norm = None
@@ -1139,7 +1142,7 @@ def cmd_train(cfg):
     steps = plan_steps(groups, run.role, run.progress, cfg, process, accelerator.num_processes)
     # pi_ref: before the first step (and before a killed run's state loads), the starting model scores every
     # micro-batch the run has left
-    reference_logps(policy, steps, run.pad_id)
+    reference_logps(policy, steps, run.pad_id)  # sets every micro-batch's .reference, before the first step
     resume(run, steps)
     train_dpo(run, policy, optimizer, steps)
     save_checkpoint(run, policy, tok)
@@ -2121,15 +2124,14 @@ def resume(run, steps):
     cfg, accelerator, progress = run.cfg, run.accelerator, run.progress
     if run.resume:
         accelerator.load_state(run.resume)
-        done = f"step {progress['step']} (epoch {progress['epoch']}, {progress['epoch_pairs']} of its pairs trained)"
-        accelerator.print(f"resuming after {done}")
-    most = cfg.batch_size * cfg.grad_accum * accelerator.num_processes
+        where = f"step {progress['step']} (epoch {progress['epoch']}, {progress['epoch_pairs']} of its pairs trained)"
+        accelerator.print(f"resuming after {where}")
+    per_step = cfg.grad_accum * accelerator.num_processes
     mean = sum(step.num_pairs for step in steps) / max(1, len(steps))
     accelerator.print(
         f"{run.role}: {len(run.examples)} pairs; a micro-batch holds up to {cfg.batch_size} pairs in rows of one "
-        f"prompt each (a node of more pairs takes several rows); a step {cfg.grad_accum} x {accelerator.num_processes} "
-        f"micro-batches (--grad-accum x processes), up to {most} pairs ({mean:.1f} on average); {len(steps)} steps "
-        "to go"
+        f"prompt each (a node of more pairs takes several rows); a step of {per_step} micro-batches (--grad-accum x "
+        f"processes), up to {per_step * cfg.batch_size} pairs ({mean:.1f} on average); {len(steps)} steps to go"
     )
 
 

@@ -52,7 +52,6 @@ table shows what it can and cannot tell.
 """
 
 import argparse
-import http.server
 import json
 import os
 import random
@@ -60,10 +59,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import common  # also puts privact.py on the path
+import common  # noqa: F401  (puts privact.py and conftest.py on the path)
+import conftest
 import privact
 
 PRIVACT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "privact.py")
@@ -137,39 +136,18 @@ class RuleJudge:
 
 
 def serve(judge):
-    """The rule judge on a free 127.0.0.1 port -> (server, base URL); it serves in a thread until shutdown()."""
+    """The rule judge on a free 127.0.0.1 port (conftest.openai_server) -> (server, base URL)."""
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def reply(self, status, body):
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def reply(body):
+        try:
+            text = judge.answer(body["prompt"])
+        except (KeyError, ValueError) as e:
+            return 400, {"error": {"message": str(e)}}
+        choice = {"index": 0, "text": text, "finish_reason": "stop"}
+        return 200, {"object": "text_completion", "choices": [choice], "usage": {"completion_tokens": 3}}
 
-        def do_GET(self):
-            self.reply(200, {"object": "list", "data": [{"id": "rule-judge", "object": "model"}]})
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            try:
-                text = judge.answer(body["prompt"])
-            except (KeyError, ValueError) as e:
-                return self.reply(400, {"error": {"message": str(e)}})
-            choice = {"index": 0, "text": text, "finish_reason": "stop"}
-            self.reply(200, {"object": "text_completion", "choices": [choice], "usage": {"completion_tokens": 3}})
-
-        def log_message(self, *args):
-            pass
-
-    class Server(http.server.ThreadingHTTPServer):
-        request_queue_size = 1024  # privact keeps --judge-concurrency (256) requests in flight
-        daemon_threads = True
-
-    server = Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/v1"
+    url, _, server = conftest.openai_server(reply)
+    return server, url
 
 
 def synthetic_cases(path, n):
@@ -214,7 +192,7 @@ def tiny_agent_model(folder, seed):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokens = [*TINY_ACTIONS, *TINY_WORDS]
-    tok = common.byte_tokenizer(tokens)
+    tok = conftest.byte_tokenizer(tokens)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tok),

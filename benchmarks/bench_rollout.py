@@ -8,8 +8,8 @@ with the release's protocol), several ways, on the same model, seed and budgets:
 - privact-per-prompt:   privact.generate with every prompt a family of its own: each prompt prefilled once,
                         its B samples sharing it;
 - privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
-                        one level, a leaf's judge prompts) prefilled once per family, each tier of keys and
-                        values read once per decode step for the rows that share it;
+                        one level, a leaf's judge prompts) prefilled once per family, its keys and values
+                        then copied into every member's row and sample;
 - other:                the generation of another privact.py (--other FILE), e.g. the cascade-attention version of
                         commit 0d124f1, which reads each shared prefix's keys and values once per decode step.
 
@@ -24,7 +24,7 @@ ceiling (a [2048, 2048] product in the model's dtype).
 
     python benchmarks/bench_rollout.py                          # 2 cases, branching 2,2,2, 64 tokens, judge 64
     git show 0d124f1:privact.py > /tmp/cascade.py               # the cascade-attention version
-    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/cascade.py --split test --cases 2 \
+    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/cascade.py --split test --cases 2 \\
         --branching 13,1,1 --max-new-tokens 96 --temperature 0.7 --dtype bfloat16 --judge-verdict forced
     python benchmarks/bench_rollout.py --tiny DIR               # a tiny random model, seconds (the tests run it)
 """

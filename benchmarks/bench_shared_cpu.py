@@ -35,7 +35,8 @@ import sys
 import tempfile
 import time
 
-import common  # noqa: F401  (puts privact.py on the path)
+import common
+import conftest  # noqa: F401  (puts privact.py on the path)
 import privact
 from bench_rollout import cpu_name
 
@@ -155,7 +156,7 @@ def main():
         ap.error(f"--arms {args.arms}: choose from {','.join(ARMS)}")
     tmp = tempfile.mkdtemp()
     if args.tiny:
-        args.model = common.tiny_model(os.path.join(tmp, "tiny"))
+        args.model = conftest.tiny_llama(os.path.join(tmp, "tiny"))
         args.max_new_tokens = 4
     privact.load_model(args.model)  # the embedded model's one-time conversion, outside every clock
     runs = measure(args, arms, tmp)

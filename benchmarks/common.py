@@ -2,7 +2,8 @@
 
     ap = common.parser(__doc__, model="smollm2", batch_size=16, max_new_tokens=64)
 
-gives an ArgumentParser with exactly those shared flags, at those defaults; each script adds its own.
+gives an ArgumentParser with exactly those shared flags, at those defaults; each script adds its own. The tiny models
+the benchmarks build are the tests' own, in conftest.py at the repository's root.
 """
 
 import argparse
@@ -67,50 +68,3 @@ def serving_available():
 
     if not is_serve_available():
         sys.exit('needs the serving extras: pip install fastapi uvicorn "openai>=1.98" rich starlette')
-
-
-def byte_tokenizer(tokens=()):
-    """A byte-level tokenizer (every character a token or a few), `tokens` added whole, with a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    core = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    core.add_tokens(list(tokens))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    tok.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    return tok
-
-
-def tiny_model(folder, layers=2, hidden=32, seed=0, init=0.02):
-    """A tiny random Llama with a byte-level tokenizer and a ChatML template, its weights of std `init`, saved to
-    `folder` -> folder."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = byte_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        initializer_range=init,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
