@@ -1110,7 +1110,10 @@ def test_two_processes_collect_and_evaluate_what_one_does(tmp_path, data_file, t
     assert read_jsonl(two / "pairs_refiner.jsonl") == read_jsonl(one / "pairs_refiner.jsonl")
     out = tmp_path / "eval"
     proc = torchrun(2, *eval_args(data_file, out, tiny_model, "--num-cases", "3", "--chunk-cases", "1"), port=29542)
-    assert proc.wait(timeout=300) == 0 and len(json.loads((out / "report.json").read_text())["cases"]) == 3
+    test_cases = privact.load_cases(str(data_file), "test", 3)  # the six cases' test split holds 2
+    assert proc.wait(timeout=300) == 0 and len(json.loads((out / "report.json").read_text())["cases"]) == len(
+        test_cases
+    )
     run = tmp_path / "killed"
     flags = collect_args(data_file, run, tiny_model, "--num-cases", "6", "--chunk-cases", "1", "--max-new-tokens", "32")
     proc = torchrun(2, *flags, port=29543)
