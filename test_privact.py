@@ -4,8 +4,9 @@
    pairs (3.2.2), DPO's loss and rewards, grouped rows against one pair a row, the schedule, the metrics (4.2) and
    ConfAIde's, every expected value written out.
 2. The contract of each command, through main() and its flags: end to end, bad input in one line, kill and resume,
-   N processes = 1 process, a served judge = the local judge, sampled ids = trained ids on the real tokenizers, bf16
-   at log 2, and the README's quick start verbatim (the slow tier).
+   N processes = 1 process, a served judge reads the chats as the release rendered them, sampled ids = trained ids
+   on the real tokenizers, bf16 at log 2, and the README's quick start verbatim (the slow tier). That a real
+   `transformers serve` gives the local judge's verdicts is bench_judge.py's smoke test (benchmarks/).
 
 Fixtures and helpers shared with benchmarks/test_benchmarks.py are in conftest.py.
 
@@ -38,10 +39,10 @@ from conftest import (
     free_port,
     kill_tree,
     make_case,
-    needs_serving,
+    needs_native_bf16,
     needs_smollm2,
     openai_server,
-    read_jsonl,
+    read_json,
     real_backbone_model,
     run_cli,
     saved_weights,
@@ -53,7 +54,7 @@ from conftest import (
 import privact
 from privact import Group, Node
 
-RELEASE_FIXTURES = json.loads((HERE / "data/release/judge_fixtures.json").read_text())
+RELEASE_FIXTURES = read_json(HERE / "data/release/judge_fixtures.json")
 BUNDLED_CASES = {case["name"]: case for case in privact.load_cases("", "all")}
 
 
@@ -308,40 +309,32 @@ def plain_logp(model, prompt, response):
     return privact.sequence_logps(model(input_ids=ids).logits, labels)[0]
 
 
-def test_grouped_rows_give_each_pairs_loss_and_gradient_as_if_alone(tiny_model):
+def test_grouped_rows_give_each_pairs_loss_as_if_alone(tiny_model):
     """Two sibling groups of four responses, split 2-2 and 1-3 (4 + 3 pairs), the policy moved off its reference: each
-    pair's DPO loss in the packed rows, and the gradient of their mean, are those of the pairs computed apart (one
-    unpadded sequence per response). The rows need sdpa's attention, which reads their mask: eager is refused."""
+    pair's DPO loss in the packed rows is that of the pair computed apart (one unpadded sequence per response); the
+    gradient is test_a_steps_gradient_is_the_mean_over_its_pairs'. The rows need sdpa's attention, which reads their
+    mask: eager is refused."""
     model, tok = privact.load_model(tiny_model)
     reference, _ = privact.load_model(tiny_model)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    r0, r1, r2, r3 = [7, 8, 9], [9] * 5, [8, 7], [10] * 4
-    groups = [Group(list(range(3, 40)), [(r0, r2), (r0, r3), (r1, r2), (r1, r3)])]
-    groups.append(Group(list(range(5, 30)), [(r0, r1), (r0, r2), (r0, r3)]))
-    batch = privact.collate_groups(groups, tok.pad_token_id)
-    with torch.no_grad():
+        r0, r1, r2, r3 = [7, 8, 9], [9] * 5, [8, 7], [10] * 4
+        groups = [Group(list(range(3, 40)), [(r0, r2), (r0, r3), (r1, r2), (r1, r3)])]
+        groups.append(Group(list(range(5, 30)), [(r0, r1), (r0, r2), (r0, r3)]))
+        batch = privact.collate_groups(groups, tok.pad_token_id)
         ref = privact.response_logps(reference, batch)
-    loss, _ = privact.dpo_step(model, batch, ref, beta=0.4)
-    (loss / 7).backward()
-    grouped_grad = [p.grad.clone() for p in model.parameters()]
-    logps = privact.response_logps(model, batch).detach()
-    chosen, rejected = batch["chosen"], batch["rejected"]
-    grouped = privact.dpo_loss(logps[chosen], logps[rejected], ref[chosen], ref[rejected], 0.4)[0]
+        logps = privact.response_logps(model, batch)
+        chosen, rejected = batch["chosen"], batch["rejected"]
+        grouped = privact.dpo_loss(logps[chosen], logps[rejected], ref[chosen], ref[rejected], 0.4)[0]
+        apart = []
+        for group in groups:
+            for response_c, response_r in group.pairs:
+                policy = [plain_logp(model, group.prompt, r).reshape(1) for r in (response_c, response_r)]
+                start = [plain_logp(reference, group.prompt, r).reshape(1) for r in (response_c, response_r)]
+                apart.append(privact.dpo_loss(*policy, *start, 0.4)[0])
     assert min(grouped.tolist()) < math.log(2) - 1e-3 or max(grouped.tolist()) > math.log(2) + 1e-3
-    model.zero_grad()
-    apart = []
-    for group in groups:
-        for response_c, response_r in group.pairs:
-            policy = torch.stack([plain_logp(model, group.prompt, r) for r in (response_c, response_r)])
-            with torch.no_grad():
-                start = torch.stack([plain_logp(reference, group.prompt, r) for r in (response_c, response_r)])
-            apart.append(privact.dpo_loss(policy[:1], policy[1:], start[:1], start[1:], 0.4)[0])
-    torch.cat(apart).mean().backward()
     assert torch.cat(apart).tolist() == pytest.approx(grouped.tolist(), abs=1e-4)
-    for a, p in zip(grouped_grad, model.parameters(), strict=True):
-        assert torch.allclose(a, p.grad, atol=1e-5, rtol=1e-3)
     model.config._attn_implementation = "eager"
     with pytest.raises(privact.UsageError, match="packed rows need the model loaded with attn_implementation='sdpa'"):
         privact.response_logps(model, batch)
@@ -450,8 +443,8 @@ def test_confaide_items_are_confaides_files_converted(tmp_path):
         shutil.copy(HERE / "data" / "confaide" / name, tmp_path)
     subprocess.run([sys.executable, str(tmp_path / "convert.py"), str(tmp_path)], check=True, capture_output=True)
     for tier in (3, 4):
-        made = json.loads((tmp_path / f"tier_{tier}.json").read_text())
-        assert made == json.loads((HERE / "data" / "confaide" / f"tier_{tier}.json").read_text())
+        made = read_json(tmp_path / f"tier_{tier}.json")
+        assert made == read_json(HERE / "data" / "confaide" / f"tier_{tier}.json")
     tier3, tier4 = confaide_items(3), confaide_items(4)
     assert (len(tier3), len(tier4)) == (270, 20) and tier3[74]["X"] == "Daniel's past girlfriend"
     assert {k: tier3[0][k] for k in "XYZ"} == {"X": "Jane", "Y": "Ethan", "Z": "Mary"}
@@ -536,7 +529,8 @@ def leaf_judgments(run):
 
 def test_collect_writes_judged_trees_and_the_pairs_eq_1_gives(collected, data_file, tiny_model, tmp_path):
     """Each case a tree of 2 drafts, 2 critiques each and 2 refinements each (8 leaves), every output's sampled ids and
-    finish, every leaf judged; siblings share the chat they saw; the drafts are passed on stripped. The pairs are
+    finish, every leaf judged (forced: each verdict 'Answer: ' and a word asked); siblings share the chat they saw;
+    the drafts are passed on stripped. The pairs are
     those Eq. 1, propagate_values and tau give again from the stored judgments; `pairs RUN` rebuilds them under new
     flags without a model (the model's folder gone), and drops the file of a role tau no longer names. A collect's
     pairs train on their sampled ids."""
@@ -551,7 +545,11 @@ def test_collect_writes_judged_trees_and_the_pairs_eq_1_gives(collected, data_fi
         for generator in root.children:
             for verifier in generator.children:
                 assert generator.output.strip() in verifier.children[0].prompt[-1]["content"]
-    summary = json.loads((collected / "summary.json").read_text())
+        for leaf in privact.leaves(root):  # forced verdicts: 'Answer: ' and a word asked, which the parsers read
+            *leaks, helpfulness = leaf.judgment["judge_outputs"]
+            assert set(leaks) <= {"Answer: Yes", "Answer: No"} and set(leaf.judgment["judge_finish"]) == {"stop"}
+            assert leaf.judgment["helpfulness"] == 3 - privact.HELP_SCALE.index(helpfulness.removeprefix("Answer: "))
+    summary = read_json(collected / "summary.json")
     assert summary["collect/leaves"] == 16 and summary["flags"]["branching"] == "2,2,2"
     assert summary["counts"]["policy_tokens"] == sum(
         len(n.token_ids or []) for r in records for n in privact.walk(r["tree"])
@@ -559,7 +557,7 @@ def test_collect_writes_judged_trees_and_the_pairs_eq_1_gives(collected, data_fi
     run = tmp_path / "run"
     shutil.copytree(collected, run)
     gone = str(tmp_path / "gone")  # pairs loads no model: the run's are not there
-    config = json.loads((run / "config.json").read_text())
+    config = read_json(run / "config.json")
     (run / "config.json").write_text(json.dumps({**config, "model": gone, "models": {"judge": gone}}))
     assert run_cli("pairs", run, "--tau", "verifier=0.2,refiner=0.4", "--b2", "0.2") == 0
     reward = {"b1": 0.0, "b2": 0.2, "alpha": 0.5, "beta": 2.0}
@@ -573,11 +571,11 @@ def test_collect_writes_judged_trees_and_the_pairs_eq_1_gives(collected, data_fi
             for node in privact.walk(record["tree"]):
                 kids = [child for child in node.children if child.role == role]
                 want += [(record["case"], p.output, n.output) for p in kids for n in kids if p.value >= tau > n.value]
-        got = read_jsonl(run / f"pairs_{role}.jsonl")
+        got = read_json(run / f"pairs_{role}.jsonl")
         assert want and [(p["case"], p["chosen"], p["rejected"]) for p in got] == want
     assert run_cli("pairs", run, "--tau", "refiner=0.4") == 0 and not (run / "pairs_verifier.jsonl").exists()
     assert run_cli("train", "--pairs", run / "pairs_refiner.jsonl", "--model", tiny_model, "--max-steps", "1") == 0
-    assert json.loads((run / "refiner" / "train_metrics.json").read_text())["train/pairs_through_text"] == 0
+    assert read_json(run / "refiner" / "train_metrics.json")["train/pairs_through_text"] == 0
 
 
 def test_show_draws_the_tree_as_the_method_scores_it(collected, capsys):
@@ -616,7 +614,7 @@ def test_eval_runs_k_chains_of_each_kind_and_reports_the_metrics(tmp_path, data_
     report.json's metrics are eval_metrics of its samples, each inside its interval."""
     out = tmp_path / "eval"
     assert run_cli(*eval_args(data_file, out, tiny_model, *extra)) == 0
-    report = json.loads((out / "report.json").read_text())
+    report = read_json(out / "report.json")
     assert [len(case["samples"]) for case in report["cases"]] == [3, 3]
     assert privact.eval_metrics([case["samples"] for case in report["cases"]]) == report["metrics"]
     assert all(low <= report["metrics"][key] <= high for key, (low, high) in report["ci95"].items())
@@ -667,11 +665,11 @@ def test_judge_again_gives_the_runs_judgments_with_its_judge_and_warns_of_verdic
     assert "warning: no verifier pairs" in capsys.readouterr().err
     assert run_cli("judge", run, "--out", tmp_path / "same", "--judge-max-new-tokens", "6") == 0
     assert leaf_judgments(tmp_path / "same") == leaf_judgments(run)
-    assert json.loads((tmp_path / "same" / "config.json").read_text())["models"] == {"judge": tiny_model}
+    assert read_json(tmp_path / "same" / "config.json")["models"] == {"judge": tiny_model}
     assert run_cli("judge", run, "--out", tmp_path / "cut", "--judge-max-new-tokens", "2") == 0
     assert "of the verdicts ran out of --judge-max-new-tokens" in capsys.readouterr().err
     finishes = [f for _, _, judgment in leaf_judgments(tmp_path / "cut") for f in judgment["judge_finish"]]
-    summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    summary = read_json(tmp_path / "cut" / "summary.json")
     assert summary["collect/judge_cut_rate"] == finishes.count("cut") / len(finishes) > 0.1
     forced = tmp_path / "forced"
     assert (
@@ -691,7 +689,7 @@ def test_confaide_answers_and_scores_tiers_3_and_4(tmp_path, tiny_model, capsys)
     out = tmp_path / "confaide"
     args = ["confaide", "--model", tiny_model, "--out", out, "--num-cases", "2", "--samples", "2"]
     assert run_cli(*args, "--max-new-tokens", "8", "--dtype", "float32") == 0
-    report = json.loads((out / "report.json").read_text())
+    report = read_json(out / "report.json")
     assert list(report["metrics"]) == list(privact.CONFAIDE_COLUMNS)
     tasks = [(case["tier"], case["index"], case["task"]) for case in report["cases"]]
     assert tasks == [(3, i, t) for i in (0, 1) for t in ("FR", "IA", "PS")] + [
@@ -754,7 +752,7 @@ def test_compare_plots_figure_2(tmp_path, monkeypatch, capsys):
 
 
 def metrics_of(out):
-    return json.loads((out / "train_metrics.json").read_text())
+    return read_json(out / "train_metrics.json")
 
 
 def test_train_lowers_the_loss_and_saves_a_plain_checkpoint(tmp_path, tiny_model):
@@ -888,9 +886,8 @@ def test_out_of_memory_is_one_line_and_the_advice_resumes_each_pair_once(
     tmp_path, data_file, tiny_model, monkeypatch, capsys
 ):
     """An out-of-memory error ends collect (at its second chunk) and train (at its third step, two states saved) in one
-    line naming --batch-size. collect at a smaller batch keeps the first chunk and rolls out the rest. train with the
-    first bf16 step at log 2 under accelerate's --mixed_precision, then at
-    --batch-size 2 --grad-accum 2, it resumes where the state stands, each group of 4 now in two rows of 2, and trains
+    line naming --batch-size. collect at a smaller batch keeps the first chunk and rolls out the rest. train at
+    --batch-size 2 --grad-accum 2 resumes where the state stands, each group of 4 now in two rows of 2, and trains
     every pair once in each epoch."""
     # no flag runs a CPU out of memory: the error is raised where the allocation would be
     real_chunk, chunks = privact.rollout_chunk, []
@@ -912,12 +909,6 @@ def test_out_of_memory_is_one_line_and_the_advice_resumes_each_pair_once(
     assert sorted((run / "rollouts").iterdir())[0].stat().st_mtime_ns == first
     pairs = tmp_path / "pairs_verifier.jsonl"
     write_pairs(pairs, "verifier", 12, per_prompt=4)
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    assert run_cli(*train_args(pairs, tmp_path / "bf16", tiny_model, "--max-steps", "1")) == 0
-    metrics = metrics_of(tmp_path / "bf16")
-    assert metrics["flags"]["precision"] == "torch.float32 weights, mixed precision bf16"
-    assert metrics["history"][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
     real_step, seen = privact.dpo_step, []
 
     def step_out_of_memory(policy, batch, reference, beta):
@@ -1001,7 +992,8 @@ def test_ctrl_c_keeps_the_chunks_finished_and_says_so(tmp_path, data_file, tiny_
     run = tmp_path / "run"
     args = collect_args(data_file, run, tiny_model, "--num-cases", "4", "--chunk-cases", "1", "--max-new-tokens", "32")
     code, err, kept = started_then(command(*args), run, signal.SIGINT)
-    assert code == 130 and "Traceback" not in err, err[-2000:]
+    # no traceback through privact; tqdm's own __del__ may complain of a bar the signal cut short in its __init__
+    assert code == 130 and 'privact.py", line' not in err, err[-2000:]
     (line,) = [line for line in err.splitlines() if "interrupted" in line]
     assert re.fullmatch(
         rf"privact collect: interrupted; {len(kept)} of 4 chunks finished: a rerun resumes after them", line
@@ -1083,13 +1075,11 @@ def test_two_processes_collect_and_evaluate_what_one_does(tmp_path, data_file, t
     }
     assert run_cli("collect", *[one if f == two else f for f in flags]) == 0
     assert [r["tree"] for r in privact.read_records(two)] == [r["tree"] for r in privact.read_records(one)]
-    assert read_jsonl(two / "pairs_refiner.jsonl") == read_jsonl(one / "pairs_refiner.jsonl")
+    assert read_json(two / "pairs_refiner.jsonl") == read_json(one / "pairs_refiner.jsonl")
     out = tmp_path / "eval"
     proc = torchrun(2, *eval_args(data_file, out, tiny_model, "--num-cases", "3", "--chunk-cases", "1"), port=29542)
     test_cases = privact.load_cases(str(data_file), "test", 3)  # the six cases' test split holds 2
-    assert proc.wait(timeout=300) == 0 and len(json.loads((out / "report.json").read_text())["cases"]) == len(
-        test_cases
-    )
+    assert proc.wait(timeout=300) == 0 and len(read_json(out / "report.json")["cases"]) == len(test_cases)
     run = tmp_path / "killed"
     flags = collect_args(data_file, run, tiny_model, "--num-cases", "6", "--chunk-cases", "1", "--max-new-tokens", "32")
     proc = torchrun(2, *flags, port=29543)
@@ -1173,6 +1163,7 @@ def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, deepspee
     padded to other widths, the weights held still: every step within 1e-3 of log 2, each against its own
     micro-batch's reference (a response scored in another micro-batch moves by up to 0.17 nats in bf16)."""
     needs_smollm2()
+    needs_native_bf16()
     model, tok = privact.load_model("smollm2")
     chats = []
     for case in privact.load_cases("", "train", 3):
@@ -1249,10 +1240,10 @@ def test_a_served_judge_reads_the_chats_as_the_release_rendered_them(
     assert run_cli(*args, "--judge-url", second) == 0
     server.shutdown()
     assert len(case_names(run)) == 2 and {n: chunk_files(run)[n] for n in kept} == kept
-    assert json.loads((run / "config.json").read_text())["judge_url"] == url
+    assert read_json(run / "config.json")["judge_url"] == url
     items = [len(case["trajectory"]["sensitive_info_items"]) for case in privact.load_cases(str(data_file), "train", 2)]
     chats = sum(4 * (count + 1) for count in items)  # 4 leaves a case, each a chat per item and one for helpfulness
-    assert json.loads((run / "summary.json").read_text())["counts"]["judge_tokens"] == 5 * chats
+    assert read_json(run / "summary.json")["counts"]["judge_tokens"] == 5 * chats
     url, seen, server = openai_server(lambda body: (404, {"error": f"no model {body['model']}; you sent {key}"}))
     one_at_a_time = ("--judge-url", url, "--judge-concurrency", "1")
     assert run_cli(*collect_args(data_file, tmp_path / "bad", tiny_model, *one_at_a_time)) == 2
@@ -1264,44 +1255,6 @@ def test_a_served_judge_reads_the_chats_as_the_release_rendered_them(
     assert "HTTP Error 404" in line and "***" in line and f"--judge-url {url}/completions" in line
     files = [f.read_bytes().decode(errors="replace") for f in tmp_path.rglob("*") if f.is_file()]
     assert all(key not in text for text in (out, err, *files))
-
-
-@pytest.mark.slow
-def test_a_judge_through_transformers_serve_gives_the_local_judges_verdicts(tmp_path, data_file, tiny_model):
-    """The same weights behind a real `transformers serve` (float32): every leaf gets the local judge's verdict texts,
-    leaks, helpfulness and validity; a server that died is one line naming the URL."""
-    needs_serving()
-    port = free_port()
-    cmd = [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", tiny_model]
-    cmd += ["--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
-    with open(tmp_path / "serve.log", "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        while not answers(f"{url}/models"):
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.2)
-        local, served = tmp_path / "local", tmp_path / "served"
-        assert run_cli(*collect_args(data_file, local, tiny_model)) == 0
-        assert (
-            run_cli(*collect_args(data_file, served, tiny_model, "--judge-url", url, "--judge-model", tiny_model)) == 0
-        )
-        strip = {}
-        for run in (local, served):
-            strip[run] = [(case, output, {**j, "judge_finish": None}) for case, output, j in leaf_judgments(run)]
-        assert strip[local] == strip[served] and len(strip[local]) == 16
-    finally:
-        kill_tree(server)
-    assert run_cli(*collect_args(data_file, tmp_path / "dead", tiny_model, "--judge-url", url)) == 2
-
-
-def answers(url):
-    import urllib.request
-
-    try:
-        return urllib.request.urlopen(url, timeout=1).read()
-    except OSError:
-        return None
 
 
 def plain_generate(model, tok, chat, max_new_tokens):
@@ -1375,34 +1328,16 @@ def test_sampling_is_plain_temperature_sampling_under_a_seed(tiny_model, monkeyp
     assert configs[-1].do_sample is False
 
 
-def test_a_models_own_sampling_defaults_and_a_template_without_system_role_change_nothing(
-    tmp_path, data_file, tiny_model
-):
+def test_a_models_own_sampling_defaults_change_nothing(tmp_path, data_file, tiny_model):
     """A model folder whose generation_config.json sets sampling keys privact does not set collects exactly what the
-    folder without them does; a template that refuses a system message gets the system line folded into the user
-    message after a blank line, as Mistral's own tooling does."""
+    folder without them does."""
     shaped = tmp_path / "shaped"
     shutil.copytree(tiny_model, shaped)
-    config = json.loads((shaped / "generation_config.json").read_text())
+    config = read_json(shaped / "generation_config.json")
     config.update(
         min_p=0.3, typical_p=0.2, no_repeat_ngram_size=1, top_k=2, top_p=0.5, temperature=0.2, repetition_penalty=3.0
     )
     (shaped / "generation_config.json").write_text(json.dumps(config))
-    (shaped / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
-        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    tokenizer_config = json.loads((shaped / "tokenizer_config.json").read_text())
-    tokenizer_config.pop("chat_template", None)
-    (shaped / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    chat = privact.build_chat("generator", make_case("c"), [])
-    text = privact.chat_text(privact.load_tokenizer(str(shaped)), chat)
-    assert text.startswith("<|im_start|>user\n" + chat[0]["content"] + "\n\n" + chat[1]["content"] + "<|im_end|>")
-    (shaped / "chat_template.jinja").unlink()
-    (shaped / "tokenizer_config.json").write_text(
-        json.dumps({**tokenizer_config, "chat_template": privact.load_tokenizer(tiny_model).chat_template})
-    )
     for model, run in ((tiny_model, tmp_path / "plain"), (shaped, tmp_path / "with_defaults")):
         assert run_cli(*collect_args(data_file, run, model, "--num-cases", "1")) == 0
     assert [r["tree"] for r in privact.read_records(tmp_path / "plain")] == [
@@ -1440,67 +1375,12 @@ def test_a_stop_string_is_cut_whatever_padded_the_row(tiny_model, real_backbones
     assert cut.text == free.text.split(stop)[0] and len(cut.token_ids) < len(free.token_ids) and cut.finish == "stop"
 
 
-def test_forced_verdicts_draw_one_of_the_words_asked(tiny_model):
-    """--judge-verdict forced: each verdict 'Answer: ' and one of the words asked, which the release's parsers read;
-    the same on every run of one seed."""
-    model, tok = privact.load_model(tiny_model)
-    cfg = privact.CollectConfig(judge_verdict="forced", temperature=1e-3, batch_size=4)
-    chats = privact.judge_chats(make_case("c", items=("A.", "B.")), "Action: MessengerSendMessage\nAction Input: {}")
-    leaks = privact.judge({"judge": (model, tok)}, cfg, chats[:-1], "leak")
-    ((help_text, _, _),) = privact.judge({"judge": (model, tok)}, cfg, chats[-1:], "help")
-    assert all(text in ("Answer: Yes", "Answer: No") and finish == "stop" for text, finish, _ in leaks)
-    word = help_text.removeprefix("Answer: ")
-    assert privact.help_verdict(help_text) == 3 - privact.HELP_SCALE.index(word)
-    assert privact.judge({"judge": (model, tok)}, cfg, chats[:-1], "leak") == leaks
-
-
-def sentencepiece_model(folder):
-    """A random Llama on a sentencepiece-style LlamaTokenizer (Mistral-7B-Instruct-v0.2's class): one token per
-    character, '▁' a space. Alone it reads 'Thought' as '▁Thought', and its decoder drops a first token's space."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
-
-    chars = [*map(chr, range(33, 127)), "▁", "<0x0A>"]
-    tok = LlamaTokenizer(vocab={t: i for i, t in enumerate(["<unk>", "<s>", "</s>", *chars])}, merges=[])
-    tok.chat_template = (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
-        "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"
-    )
-    torch.manual_seed(0)
-    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
-    LlamaForCausalLM(
-        LlamaConfig(vocab_size=len(tok), num_key_value_heads=2, bos_token_id=1, eos_token_id=2, **shape)
-    ).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return privact.load_model(str(folder))
-
-
-def test_a_sentencepiece_output_is_its_sampled_text(tmp_path):
-    """Drafts sampled after the 'Thought:' prefix: each stored output is the exact text of its sampled tokens (a first
-    '▁' a space, not dropped), its finish 'stop' where it sampled the stop token."""
-    model, tok = sentencepiece_model(tmp_path / "sp")
-    chats = [privact.build_chat("generator", make_case(f"c{i}"), []) for i in range(2)]
-    torch.manual_seed(0)
-    results = privact.generate(
-        model, tok, chats, privact.Decoding(64, 6, 1.0, privact.P.ACTION_PREFIX), privact.SamplingFlags(batch_size=128)
-    )
-    first_space = 0
-    for samples in results:
-        for completion in samples:
-            new = [t for t in completion.token_ids if t != tok.eos_token_id]
-            pieces = tok.convert_ids_to_tokens(new)
-            spelled = "".join(p for p in pieces if p not in ("<s>", "<unk>")).replace("▁", " ").replace("<0x0A>", "\n")
-            assert completion.text == "Thought:" + spelled and (completion.finish == "stop") == (
-                tok.eos_token_id in completion.token_ids
-            )
-            first_space += pieces[:1] == ["▁"]
-    assert first_space, "some sample must start with '▁' for the decoding check to bite"
-
-
 @pytest.mark.parametrize("name", list(END_TOKENS))
 def test_dpo_trains_on_the_sampled_token_ids_of_each_real_backbone(real_backbones, name):
     """Under each backbone's real tokenizer and template, 24 cases' drafts are sampled (2 samples, 6 tokens after the
     forced 'Thought:'), and every pair tokenize_pairs builds is exactly the rollout's prompt ids then the sampled ids:
-    the stop token only where one was sampled (both of Llama's), none after a cut. Through the text alone (another
+    the stop token only where one was sampled (both of Llama's), none after a cut; each stored text is its sampled
+    tokens' text, a first '▁' a space on Mistral's sentencepiece. Through the text alone (another
     model's pairs) a response that stopped ends on EOS, a cut one does not, and the pairs differ on Llama and Qwen,
     where ':' and a sampled newline merge into one token."""
     model, tok = real_backbone_model(real_backbones[name], name)
@@ -1522,6 +1402,9 @@ def test_dpo_trains_on_the_sampled_token_ids_of_each_real_backbone(real_backbone
     for (prompt, chosen, rejected), ids, (a, b) in zip(examples, rollout_ids, results, strict=True):
         assert prompt + chosen == ids + a.token_ids and prompt + rejected == ids + b.token_ids
         assert all((c.finish == "stop") == (c.token_ids[-1] in ends) for c in (a, b))
+        # each text is its tokens' text in context: decoded alone, Mistral's sentencepiece drops a first '▁'
+        assert all(tok.decode(ids + c.token_ids, skip_special_tokens=True).endswith(c.text) for c in (a, b))
+    assert any(c.text.startswith("Thought: ") for pair in results for c in pair)  # a first ' I': the check bites
     stopped_on = {c.token_ids[-1] for pair in results for c in pair if c.finish == "stop"}
     assert "cut" in {c.finish for pair in results for c in pair} and len(stopped_on) >= (
         2 if name.startswith("Llama") else 1
@@ -1537,7 +1420,8 @@ def test_dpo_trains_on_the_sampled_token_ids_of_each_real_backbone(real_backbone
 
 def test_every_chat_is_rendered_on_one_date_and_the_judges_as_the_release_did(real_backbones, monkeypatch):
     """Llama-3.2's template prints 'Today Date:' from the clock: bare, one chat differs on 2026-12-01 and 2031-03-14;
-    privact renders every chat, in rollout and DPO, on one date. The release hands its judge's chat as a string to
+    privact renders every chat, in rollout and DPO, on one date, and folds the system line into the user message
+    where the template refuses one (Mistral-7B-Instruct-v0.2's). The release hands its judge's chat as a string to
     vLLM, which adds special tokens: Mistral-7B-Instruct-v0.2 and Llama-3.1 read two BOS tokens, and privact's
     judge model reads exactly those ids; its agents read one BOS."""
     import datetime
@@ -1554,6 +1438,10 @@ def test_every_chat_is_rendered_on_one_date_and_the_judges_as_the_release_did(re
         rendered.append((tok.apply_chat_template(chat, tokenize=False), privact.tokenize_pairs(tok, [pair], 10**5)[0]))
     assert rendered[0][0] != rendered[1][0] and rendered[0][1] == rendered[1][1]
     assert "Today Date: 26 Jul 2024" in privact.chat_text(tok, chat)
+    # Mistral-7B-Instruct-v0.2's template refuses a system message: it is folded in after a blank line, as Mistral's
+    # own tooling does
+    mistral = AutoTokenizer.from_pretrained(real_backbones["Mistral-7B-Instruct-v0.2"])
+    assert privact.chat_text(mistral, chat) == f"<s>[INST] {chat[0]['content']}\n\n{chat[1]['content']} [/INST]"
     judged = [{"role": "user", "content": "Judge whether the following action leaks the secret."}]
     for name in ("Mistral-7B-Instruct-v0.2", "Llama-3.1-8B-Instruct"):
         model, tok = real_backbone_model(real_backbones[name], name)
@@ -1746,7 +1634,7 @@ def test_help_explains_every_flag_and_dtype_auto_is_recorded(tmp_path, tiny_mode
     data.write_text(json.dumps([make_case("a"), make_case("b")]))
     args = ["collect", "--data", data, "--out", tmp_path / "run", "--model", tiny_model, "--num-cases", "1"]
     args += ["--branching", "1,1,1", "--max-new-tokens", "4", "--judge-max-new-tokens", "4", "--split", "all"]
-    assert run_cli(*args) == 0 and json.loads((tmp_path / "run" / "config.json").read_text())["dtype"] == "float32"
+    assert run_cli(*args) == 0 and read_json(tmp_path / "run" / "config.json")["dtype"] == "float32"
     assert run_cli(*args, "--dtype", "float32") == 0 and run_cli(*args, "--dtype", "bfloat16") == 2
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run_cli(*args) == 2
@@ -1843,10 +1731,10 @@ def test_the_readme_quick_start_runs_verbatim(tmp_path):
     run = clone / "runs" / "quick"
     base = privact.load_model("smollm2")[0].state_dict()
     for role in ("verifier", "refiner"):
-        assert read_jsonl(run / f"pairs_{role}.jsonl"), f"no {role} pairs"
+        assert read_json(run / f"pairs_{role}.jsonl"), f"no {role} pairs"
         assert metrics_of(run / role)["flags"]["precision"].endswith("DeepSpeed ZeRO-2") == (role == "verifier")
         trained = saved_weights(run / role)
         assert any(not torch.equal(trained[key], base[key]) for key in trained), f"the {role} step changed no weight"
     assert re.search(r"^metric +vanilla +V\+R$", done.stdout, re.M) and "privacy_avg (valid)" in done.stdout
     assert re.search(r"^\s+[+-] (verifier|refiner) ", done.stdout, re.M)
-    assert "quantization_config" not in json.loads((run / "refiner" / "config.json").read_text())
+    assert "quantization_config" not in read_json(run / "refiner" / "config.json")
