@@ -1125,7 +1125,7 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     state goes at the end."""
     pairs = tmp_path / "pairs_verifier.jsonl"
     write_pairs(pairs, "verifier", 12)  # 3 steps an epoch
-    extra = ("--epochs", "8", "--save-every", "1", "--lr", "1e-3")
+    extra = ("--epochs", "3", "--save-every", "1", "--lr", "1e-3")
 
     def train(out, *more):
         args = map(str, train_args(pairs, out, tiny_model, *extra, *more))
@@ -1149,19 +1149,16 @@ def test_train_killed_resumes_to_the_same_weights(tmp_path, tiny_model, deepspee
     assert changed.returncode != 0 and "had beta=0.4, not 0.3" in changed.stderr
     again = subprocess.run(train(tmp_path / "resumed"), capture_output=True, text=True, timeout=900)
     assert again.returncode == 0 and "resuming after step" in again.stdout + again.stderr, again.stderr[-3000:]
-    assert metrics_of(tmp_path / "resumed")["step"] == 24 and not state.exists()
+    assert metrics_of(tmp_path / "resumed")["step"] == 9 and not state.exists()
     a, b = saved_weights(tmp_path / "whole"), saved_weights(tmp_path / "resumed")
     # DeepSpeed's CPU Adam, restarted, computes beta^t afresh: a float rounding apart; a lost step moves 1e-4 or more
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 2e-5
 
 
-@pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
-@pytest.mark.parametrize("deepspeed", [False, True], ids=["autocast", "deepspeed_zero2_offload"])
-def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, deepspeed):
-    """bf16 on the whole SmolLM2, autocast or the paper's recipe (DeepSpeed ZeRO-2, CPU Adam, bf16 weights), on three
-    groups of 4 pairs of its own refinements (about 2k tokens each), 3 epochs, each reshuffling them into micro-batches
-    padded to other widths, the weights held still: every step within 1e-3 of log 2, each against its own
-    micro-batch's reference (a response scored in another micro-batch moves by up to 0.17 nats in bf16)."""
+@pytest.fixture(scope="module")
+def smollm2_refinements(tmp_path_factory):
+    """Three groups of 4 pairs of SmolLM2's own refinements (about 2k tokens each), sampled once for both bf16 tests
+    -> the pairs file."""
     needs_smollm2()
     needs_native_bf16()
     model, tok = privact.load_model("smollm2")
@@ -1182,9 +1179,20 @@ def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, deepspee
             )
         for built in privact.build_pairs(Node("input", [], "", siblings), {"refiner": 0.5}):
             rows.append({"case": f"case{n}", **built, "sampled_with": privact.tokenizer_fingerprint(tok)})
-    pairs = tmp_path / "pairs_refiner.jsonl"
+    pairs = tmp_path_factory.mktemp("smollm2") / "pairs_refiner.jsonl"
     pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    still = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "3", "--grad-accum", "1", "--batch-size", "8")
+    return pairs
+
+
+@pytest.mark.slow  # the whole SmolLM2 in bf16 at real lengths: minutes
+@pytest.mark.parametrize("deepspeed", [False, True], ids=["autocast", "deepspeed_zero2_offload"])
+def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, smollm2_refinements, deepspeed):
+    """bf16 on the whole SmolLM2, autocast or the paper's recipe (DeepSpeed ZeRO-2, CPU Adam, bf16 weights), on its
+    own refinements, 2 epochs, the second reshuffling the groups into micro-batches padded to other widths, the weights
+    held still: every step within 1e-3 of log 2, each against its own micro-batch's reference (a response scored in
+    another micro-batch moves by up to 0.17 nats in bf16)."""
+    pairs = smollm2_refinements
+    still = ("--lr", "1e-30", "--warmup-ratio", "0", "--epochs", "2", "--grad-accum", "1", "--batch-size", "8")
     if deepspeed:
         pytest.importorskip("deepspeed")
         done = deepspeed_train(pairs, tmp_path / "o", "smollm2", *still, port=29524)
@@ -1195,7 +1203,7 @@ def test_smollm2_bf16_stays_at_log2_through_reshuffled_epochs(tmp_path, deepspee
     weights = "torch.bfloat16 weights, mixed precision bf16, DeepSpeed ZeRO-2" if deepspeed else "torch.float32 weights"
     assert metrics["flags"]["precision"].startswith(weights)
     history = metrics["history"]
-    assert [row["epoch"] for row in history] == [0, 0, 1, 1, 2, 2]
+    assert [row["epoch"] for row in history] == [0, 0, 1, 1]
     assert all(row["train/loss"] == pytest.approx(math.log(2), abs=1e-3) for row in history), history
 
 
@@ -1687,7 +1695,7 @@ def learning_round(*flags):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert 0.3 <= result["base"]["leak_rate"] <= 0.7 and result["base"]["valid_samples"] > 0
-    assert all(result[name]["num_samples"] == 160 for name in ("base", "trained", "verifier_only", "refiner_only"))
+    assert all(result[name]["num_samples"] == 160 for name in result["paired"])
     return result
 
 
@@ -1696,16 +1704,19 @@ def test_the_whole_loop_learns_what_its_rule_judge_rewards_and_not_from_swapped_
     """The system test, the method end to end (bench_learning.py --tiny, seed 0): collect on a tiny agent model, DPO
     for the verifier and the refiner, eval of the base chain, the trained one and each trained role alone, judged by a
     rule served on 127.0.0.1. The trained chain leaks less (its paired interval below zero) and keeps its helpfulness,
-    and each role alone leaks less; trained on every pair with its sides swapped, the chain leaks more. A round whose
-    last eval lost its report reruns that stage alone, to the same figures."""
-    result = learning_round("--out", tmp_path)
+    and each role alone leaks less; trained on every pair with its sides swapped (the same collect and base eval),
+    the chain leaks more. A round whose last eval lost its report reruns that stage alone, to the same figures."""
+    result = learning_round("--out", tmp_path / "round")
     assert result["holds"] == dict.fromkeys(result["holds"], True) and len(result["holds"]) == 4, result
-    (tmp_path / "eval_refiner_only" / "report.json").unlink()
-    again = learning_round("--out", tmp_path)
+    (tmp_path / "round" / "eval_refiner_only" / "report.json").unlink()
+    again = learning_round("--out", tmp_path / "round")
     assert again["refiner_only"] == result["refiner_only"] and again["paired"] == result["paired"]
     seconds = [(result["stage_seconds"][stage], again["stage_seconds"][stage]) for stage in ("collect", "eval_base")]
     assert all(before == after for before, after in seconds)
-    swapped = learning_round("--swap-pairs")
+    for stage in ("collect", "eval_base"):
+        shutil.copytree(tmp_path / "round" / stage, tmp_path / "swapped" / stage)
+    swapped = learning_round("--out", tmp_path / "swapped", "--swap-pairs", "--chains", "base,trained")
+    assert swapped["base"] == result["base"] and "collect" not in swapped["stage_seconds"]
     assert not swapped["holds"]["leaks_less"] and swapped["trained"]["leak_rate"] > swapped["base"]["leak_rate"]
 
 

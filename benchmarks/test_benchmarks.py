@@ -58,13 +58,15 @@ def test_the_peer_arm_keeps_privacts_contract(tiny_model):
 
 @pytest.mark.slow
 def test_bench_train_trains_grouped_and_one_pair_a_row_on_the_same_pairs(tiny_model):
-    """bench_train.py on the tiny model: two sibling groups of eight responses (16 and 12 pairs), one epoch at batch 4;
-    grouped rows hold fewer tokens than one row per pair, and the ratios are those of the pairs/s and peak memory."""
-    args = ["--groups", "2", "--siblings", "8", "--epochs", "1", "--trainers", "privact,privact-per-pair"]
-    result, _ = run_bench("bench_train.py", "--model", tiny_model, *args)
+    """bench_train.py on the tiny model: a sibling group of eight responses (16 pairs), one epoch at batch 4, a
+    micro-batch a step: 4 steps either way; grouped rows hold fewer tokens than one row per pair, and the ratios are
+    those of the pairs/s and peak memory."""
+    args = ["--groups", "1", "--siblings", "8", "--epochs", "1", "--grad-accum", "1"]
+    result, _ = run_bench("bench_train.py", "--model", tiny_model, *args, "--trainers", "privact,privact-per-pair")
     grouped, per_pair = result["privact"], result["privact-per-pair"]
-    assert result["pairs"] == 28 and grouped["pairs"] == per_pair["pairs"] == 28
-    assert grouped["steps_an_epoch"] >= 4 and grouped["row_tokens_per_epoch"] < per_pair["row_tokens_per_epoch"]
+    assert result["pairs"] == 16 and grouped["pairs"] == per_pair["pairs"] == 16
+    assert grouped["steps_an_epoch"] == per_pair["steps_an_epoch"] == 4
+    assert grouped["row_tokens_per_epoch"] < per_pair["row_tokens_per_epoch"]
     ratio = result["ratios"]["privact vs privact-per-pair"]
     assert ratio["speed"] == pytest.approx(grouped["pairs_per_s"] / per_pair["pairs_per_s"], rel=0.02)
 
@@ -137,12 +139,11 @@ def test_the_trl_recipe_renders_each_prompt_as_privact_does(real_backbones, tmp_
 
 
 @pytest.mark.slow
-def test_the_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path):
-    """trl_dpo.py on two refiner pairs on a real case's prompt at privact's settings (whole pairs, beta 0.4, lr 5e-7,
-    float32, the refiner's 4 epochs), one micro-batch, two steps: TRL's first step sits at log 2, its second moves as
-    far as privact's own."""
+def test_the_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path, tiny_model):
+    """trl_dpo.py on two refiner pairs on a real case's prompt at privact's settings (whole pairs, beta 0.4, float32,
+    the refiner's 4 epochs) but lr 1e-4, one micro-batch, two steps, the tiny model: TRL's first step sits at log 2,
+    its second moves as far as privact's own (about 0.16 nats; at lr 5e-7 both would move 1e-3)."""
     pytest.importorskip("trl")
-    needs_smollm2()
     pairs = tmp_path / "pairs_refiner.jsonl"
     chat = privact.build_chat(
         "refiner", privact.load_cases("", "train", 1)[0], [("generator", "Thought: x"), ("verifier", "ok")]
@@ -151,19 +152,17 @@ def test_the_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path):
         row = {"case": "c", "role": "refiner", "prompt": chat, "rejected": "Thought: Alice " * 9}
         with open(pairs, "a") as fh:
             fh.write(json.dumps({**row, "chosen": "Thought: keep it private " * (n + 2)}) + "\n")
-    settings = ("--batch-size", "2", "--grad-accum", "1", "--max-steps", "2", "--warmup-ratio", "0")
-    result, _ = run_bench("trl_dpo.py", "--pairs", pairs, "--out", tmp_path / "trl", *settings, timeout=1800)
-    assert (
-        privact.main(["train", "--pairs", str(pairs), "--model", "smollm2", "--out", str(tmp_path / "ours"), *settings])
-        == 0
-    )
+    settings = ["--model", tiny_model, "--lr", "1e-4", "--warmup-ratio", "0", "--max-steps", "2"]
+    settings += ["--batch-size", "2", "--grad-accum", "1"]
+    result, _ = run_bench("trl_dpo.py", "--pairs", pairs, "--out", tmp_path / "trl", *settings)
+    assert privact.main(["train", "--pairs", str(pairs), "--out", str(tmp_path / "ours"), *settings]) == 0
     ours = [row["train/loss"] for row in read_json(tmp_path / "ours" / "train_metrics.json")["history"]]
     theirs = [step["loss"] for step in result["steps"]]
     assert (
         result["epochs"] == 4  # the refiner's, as privact's train
         and theirs[0] == pytest.approx(0.6931, abs=1e-4)
-        and 0.6931 - ours[1] > 0
-        and theirs[1] == pytest.approx(ours[1], abs=2e-3)
+        and 0.6931 - ours[1] > 0.1
+        and theirs[1] == pytest.approx(ours[1], abs=1e-3)
     )
 
 
