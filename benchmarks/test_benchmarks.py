@@ -168,11 +168,12 @@ def test_the_trl_recipe_trains_whole_pairs_and_moves_as_privact_does(tmp_path, t
 
 @pytest.mark.slow
 def test_bench_judge_serves_the_local_judges_verdicts():
-    """bench_judge.py: the same leaves judged by SmolLM2 loaded here and behind a real `transformers serve` (float32,
-    through --judge-url's path): every verdict text the same."""
+    """bench_judge.py: the same leaves judged by SmolLM2 loaded here and behind a real `transformers serve` with
+    continuous batching (float32, through --judge-url's path): every verdict text the same."""
     needs_smollm2()
     needs_serving()
-    result, _ = run_bench("bench_judge.py", "--cases", "1", "--leaves", "2", "--judge-max-new-tokens", "8")
+    small = ("--cases", "1", "--leaves", "2", "--judge-max-new-tokens", "8")
+    result, _ = run_bench("bench_judge.py", *small, "--arms", "serve")
     equal, calls = map(int, result["serve"]["verdicts_equal_to_local"].split("/"))
     assert calls == result["judge_calls"] > 0 and equal == calls
 
