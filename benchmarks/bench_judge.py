@@ -88,8 +88,8 @@ def main():
     )
     args = ap.parse_args()
     common.serving_available()
-    served = args.arms.split(",")
-    if not set(served) <= {"serve", "serve-seq"}:
+    arms = args.arms.split(",")
+    if not set(arms) <= {"serve", "serve-seq"}:
         sys.exit(f"--arms {args.arms}: serve, serve-seq or both")
     torch.manual_seed(0)
     cases = privact.load_cases("", "train", args.cases)
@@ -106,7 +106,7 @@ def main():
         results = {"privact": judged(roots, cases, local)}
         pages = pages_in_flight(tok, roots, cases, args.concurrency, args.judge_max_new_tokens)
         batching = ["--continuous-batching", "--cb-num-blocks", str(pages)]
-        for name in served:
+        for name in arms:
             flags = batching if name == "serve" else []
             proc, url = common.serve(saved, log, flags=flags)
             try:
@@ -133,7 +133,7 @@ def main():
         print(
             f"{name:>9}: {seconds / args.cases:.2f} s per case; {same} of {calls} verdict texts equal the local judge's"
         )
-    for name in served:
+    for name in arms:
         out[f"{name}_over_privact"] = round(out[name]["seconds_per_case"] / out["privact"]["seconds_per_case"], 2)
     print(json.dumps(out))
 
