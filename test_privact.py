@@ -1168,7 +1168,7 @@ def smollm2_refinements(tmp_path_factory):
         draft = f"Thought: I will do it.\nAction: {case['trajectory']['final_action']}\nAction Input: {{}}"
         chats.append(privact.build_chat("refiner", case, [("generator", draft), ("verifier", "Check what is shared.")]))
     torch.manual_seed(0)
-    decoding = privact.Decoding(samples=8, max_new_tokens=96, temperature=1.0, prefix=privact.P.ACTION_PREFIX)
+    decoding = privact.Decoding(samples=8, max_new_tokens=72, temperature=1.0, prefix=privact.P.ACTION_PREFIX)
     rows = []
     for n, (chat, samples) in enumerate(
         zip(chats, privact.generate(model, tok, chats, decoding, privact.SamplingFlags(batch_size=24)), strict=True)
