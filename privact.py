@@ -62,8 +62,10 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import parse_flag_from_env, set_seed
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer, Cache
+from transformers import DynamicCache, GenerationConfig, StaticLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 # every text an agent or ConfAIde's model reads; the judge's prompts are PrivacyLens's, in data/privacylens/
 import judge_prompts as P
@@ -1386,71 +1388,132 @@ def prefix_families(prompts):
     return sorted(families, key=longest_member, reverse=True)
 
 
-def prefill(model, prompts, family_of, pad_id, room):
-    """Left-padded ids and mask [n, W] of n token-id prompts, and a StaticCache of W - 1 + room positions holding
-    their first W - 1 tokens; generate's first step then reads each prompt's last token.
+# the attention generate runs in: cascade_attention over a CascadeLayer, else sdpa's; masks as sdpa's
+CASCADE = "privact_cascade"
 
-    The common prefix of each family (family_of: n labels) goes through the model once, alone ([1, p]), and its
-    keys and values are written into every member's row where the member's tokens start. Then what follows
-    the prefixes goes through the model for all rows at once, over the last columns that hold it (a member
-    with a shorter rest recomputes a few of its prefix's tokens). Position ids count real tokens only, so every
-    row sees the keys and positions it would see alone: greedy decoding gives plain generate's tokens.
+
+class CascadeLayer(StaticLayer):
+    """One layer's keys and values for rows whose prompts share prefixes (prefill): each family's prefix once,
+    [1, kv_heads, p, head_dim] in `families` [(first row, end row, keys, values)], and in the static layer every
+    row's own tokens: the rest of its prompt, then what it generates, `filled` columns so far from the prompts'
+    column `offset`; a row's tokens start at its column `starts`, its family's prefix first. update returns the
+    layer, which cascade_attention reads."""
+
+    is_compileable = False
+
+    def __init__(self, families, offset, room, starts):
+        super().__init__(max_cache_len=room)
+        self.families = families
+        self.offset = offset
+        self.starts = starts
+        self.filled = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        super().update(key_states, value_states)
+        self.filled += key_states.shape[2]
+        return self, self
+
+    def get_seq_length(self):
+        return self.offset + self.filled
+
+    def batch_repeat_interleave(self, repeats):
+        """Each row `repeats` times side by side: a prompt's samples."""
+        if self.is_initialized:
+            self.keys = self.keys.repeat_interleave(repeats, 0)
+            self.values = self.values.repeat_interleave(repeats, 0)
+        self.starts = self.starts.repeat_interleave(repeats)
+        self.families = [(first * repeats, end * repeats, prefix) for first, end, prefix in self.families]
+
+
+def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
+    """Attention of query [rows, heads, q, head_dim] over a CascadeLayer, family by family. A decode step reads the
+    family's prefix once for all its rows, in one product per key/value head over every query of its group, and
+    each row's own tokens apart; both scores go through one softmax, so a row gets what it gets over its whole
+    sequence (Hydragen; FlashInfer's cascade). A prefill (q > 1) runs sdpa over the prefix copied for this layer
+    alone. The mask comes from the keys' positions: causal, within the sliding window."""
+    if not isinstance(layer, CascadeLayer):  # any other cache: the keys [rows, kv_heads, keys, head_dim]
+        return sdpa_attention_forward(module, query, layer, value, attention_mask, **kwargs)
+    filled = layer.filled
+    positions = layer.offset + torch.arange(filled, device=query.device) - layer.starts[:, None]
+    window = kwargs.get("sliding_window")
+    outputs = []
+    for first, end, alone in layer.families:
+        members = end - first
+        prefix = alone.layers[module.layer_idx]  # the family's keys and values [1, kv_heads, p, head_dim]
+        length = prefix.keys.shape[2]
+        # an own column of padding, or of the prefix recomputed, goes past every query: no real query sees it
+        own = positions[first:end].masked_fill(positions[first:end] < length, layer.offset + filled)
+        queries = own[:, filled - query.shape[2] :, None]  # [members, q, 1]
+        prefix_positions = torch.arange(length, device=query.device).expand(members, -1)
+        family_positions = torch.cat([prefix_positions, own], 1)[:, None]  # [members, 1, keys]
+        seen = family_positions <= queries
+        if window:
+            seen &= queries - family_positions < window
+        own_keys = layer.keys[first:end, :, :filled]
+        own_values = layer.values[first:end, :, :filled]
+        if query.shape[2] > 1:  # a prefill: sdpa, the prefix copied for this layer alone
+            keys = torch.cat([prefix.keys.expand(members, -1, -1, -1), own_keys], 2)
+            values = torch.cat([prefix.values.expand(members, -1, -1, -1), own_values], 2)
+            output = F.scaled_dot_product_attention(
+                query[first:end], keys, values, seen[:, None], scale=kwargs["scaling"], enable_gqa=True
+            )
+            outputs.append(output)
+            continue
+        grouped = query[first:end].unflatten(1, (own_keys.shape[1], -1))  # [members, kv_heads, groups, q, head_dim]
+        prefix_scores = torch.einsum("mkgqd,kpd->mkgqp", grouped, prefix.keys[0])
+        own_scores = torch.einsum("mkgqd,mkpd->mkgqp", grouped, own_keys)
+        scores = torch.cat([prefix_scores, own_scores], -1) * kwargs["scaling"]
+        probs = scores.masked_fill(~seen[:, None, None], -math.inf).softmax(-1, dtype=torch.float32).to(query.dtype)
+        prefix_probs, own_probs = probs.split([length, filled], -1)
+        prefix_part = torch.einsum("mkgqp,kpd->mkgqd", prefix_probs, prefix.values[0])
+        own_part = torch.einsum("mkgqp,mkpd->mkgqd", own_probs, own_values)
+        outputs.append((prefix_part + own_part).flatten(1, 2))
+    return torch.cat(outputs).transpose(1, 2), None
+
+
+AttentionInterface.register(CASCADE, cascade_attention)
+AttentionMaskInterface.register(CASCADE, sdpa_mask)
+
+
+def prefill(model, prompts, family_of, pad_id, room):
+    """Left-padded ids and mask [n, W] of n token-id prompts, and a cache of CascadeLayers holding their first W - 1
+    tokens; generate's first step then reads each prompt's last token.
+
+    The common prefix of each family (family_of: n labels, a family's prompts side by side) goes through the model
+    once, alone ([1, p]), and its keys and values are held once for all the family's rows. Then what follows the
+    prefixes goes through the model for all prompts at once, PREFILL_COLUMNS at a time, over the last columns that
+    hold it (a member with a shorter rest recomputes a few of its prefix's tokens, which attention then skips).
+    Position ids count real tokens only, so every row sees the keys and positions it would see alone: greedy
+    decoding gives plain generate's tokens. The model must attend with CASCADE.
     """
     width = max(map(len, prompts))
     starts = [width - len(prompt) for prompt in prompts]
     rows = [[pad_id] * start + prompt for start, prompt in zip(starts, prompts, strict=True)]
-    ids = torch.tensor(rows).to(model.device)
-    real = torch.arange(width) >= torch.tensor(starts)[:, None]  # [n, W]: not padding
-    mask = real.long().to(model.device)
-    cache_len = width - 1 + room
-    cache = StaticCache(config=model.config, max_cache_len=cache_len)
-    # full layers for sliding-window ones too (the model's mask still limits them): transformers' sliding
-    # static layers roll their window, which cannot be filled by hand
-    cache.layers = [StaticLayer(max_cache_len=cache_len) for _ in cache.layers]
-    # the longest part of a prompt after its family's shared prefix, its last token aside
-    rest = 0
-    for label in dict.fromkeys(family_of):
-        members = [i for i, of in enumerate(family_of) if of == label]
-        seqs = [prompts[i] for i in members]
+    ids = torch.tensor(rows, device=model.device)
+    row_starts = torch.tensor(starts, device=model.device)
+    # each token's position in its prompt, as generate derives them from the mask; padding's are negative
+    positions = torch.arange(width, device=model.device) - row_starts[:, None]  # [n, W]
+    mask = (positions >= 0).long()
+    families = []  # (first prompt, end prompt, the keys and values of their prefix)
+    shared = []  # per prompt, its family's prefix length
+    for _, members in itertools.groupby(family_of):
+        first = len(shared)
+        end = first + len(list(members))
+        seqs = prompts[first:end]
         # the last token of each prompt is left for generate's first step
-        shortest = min(map(len, seqs))
-        longest = max(map(len, seqs))
-        common = len(os.path.commonprefix(seqs))
-        shared = min(common, shortest - 1)
-        rest = max(rest, longest - 1 - shared)
-        if shared > 0:
-            write_prefix(model, cache, seqs[0][:shared], members, starts)
-    columns = slice(width - 1 - rest, width - 1)
-    for layer in cache.layers:
-        layer.cumulative_length.fill_(columns.start)
+        length = min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
+        alone = DynamicCache()
+        model(input_ids=torch.tensor([seqs[0][:length]], device=model.device), cache=alone, logits_to_keep=1)
+        families.append((first, end, alone))
+        shared += [length] * len(seqs)
+    # the longest part of a prompt after its family's prefix, its last token aside
+    rest = max(len(prompt) - 1 - length for prompt, length in zip(prompts, shared, strict=True))
+    cache = Cache(layers=[CascadeLayer(families, width - 1 - rest, rest + room, row_starts) for _ in alone.layers])
     if rest > 0:
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them from the mask
-        model(
-            input_ids=ids[:, columns],
-            attention_mask=mask[:, : columns.stop],
-            position_ids=positions[:, columns],
-            cache=cache,
-            logits_to_keep=1,
-        )
+        columns = slice(width - 1 - rest, width - 1)
+        inputs = {"input_ids": ids[:, columns], "position_ids": positions[:, columns].clamp(min=0)}
+        model(**inputs, attention_mask=mask[:, : columns.stop], cache=cache, logits_to_keep=1)
     return ids, mask, cache
-
-
-def write_prefix(model, cache, prefix, rows, starts):
-    """Run `prefix` through the model alone and write its keys and values into `rows` of the static cache, each
-    at the column where its tokens start (starts: one per row of the cache)."""
-    alone = DynamicCache()
-    prefix_ids = torch.tensor([prefix], device=model.device)
-    model(input_ids=prefix_ids, cache=alone, logits_to_keep=1)
-    for static, layer in zip(cache.layers, alone.layers, strict=True):
-        # static: [n, kv_heads, positions, head_dim]; alone: [1, kv_heads, p, head_dim], written into one row
-        if not static.is_initialized:
-            all_rows = layer.keys.expand(len(starts), -1, -1, -1)
-            static.lazy_initialization(all_rows, layer.values)
-        for row in rows:
-            start = starts[row]
-            columns = slice(start, start + len(prefix))
-            static.keys[row, :, columns] = layer.keys
-            static.values[row, :, columns] = layer.values
 
 
 @torch.inference_mode()
@@ -1475,8 +1538,11 @@ def generate(model, tok, chats, decoding, cfg):
         pad_token_id=tok.pad_token_id,
         eos_token_id=sorted({tok.eos_token_id, *ends} - {None}),
         stop_strings=decoding.stop,
+        num_return_sequences=samples,
         **sampling,
     )
+    # each family's prefix held once for its rows and samples (cascade_attention; any other cache: sdpa's)
+    model.set_attn_implementation(CASCADE)
     families = prefix_families(prompts)
     family_of = {i: n for n, family in enumerate(families) for i in family}
     order = sorted(family_of, key=family_of.get)
@@ -1487,12 +1553,10 @@ def generate(model, tok, chats, decoding, cfg):
         batch_prompts = [prompts[i] for i in batch]
         labels = [family_of[i] for i in batch]
         ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id, gen.max_new_tokens)
-        for layer in cache.layers:  # [n, kv_heads, positions, head_dim] -> [n * B, ...]
-            layer.keys = layer.keys.repeat_interleave(samples, 0)
-            layer.values = layer.values.repeat_interleave(samples, 0)
+        cache.batch_repeat_interleave(samples)  # and generate repeats each prompt's ids for its samples
         out = model.generate(
-            input_ids=ids.repeat_interleave(samples, 0),
-            attention_mask=mask.repeat_interleave(samples, 0),
+            input_ids=ids,
+            attention_mask=mask,
             cache=cache,
             generation_config=gen,
             prefix_allowed_tokens_fn=decoding.allowed,

@@ -1295,9 +1295,10 @@ def texts_of(model, tok, chats, batch_size=8, **decoding):
 def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
     """Prompts that share a prefix (synthetic ones, and real PrivacyLens verifier prompts) go side by side, the prefix
     prefilled once per family, in batches: each chat gets the greedy text of its own plain generate call. So does a
-    sliding-window model (Mistral layout, window 16 < the prompts): its cache keeps every position and its mask
-    limits them. Families keep a case together: a shared system line alone does not group prompts."""
-    from transformers import MistralConfig, MistralForCausalLM
+    model with a sliding-window layer after a full one (Qwen2 layout, window 4 < a prompt's own tokens): its cache keeps
+    every position and its mask limits them. Families keep a case together: a shared system line alone does not group
+    prompts."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     model, tok = privact.load_model(tiny_model)
     base = "The same long opening line of the case. " * 4
@@ -1311,7 +1312,9 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
     ]
     torch.manual_seed(0)
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
-    sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tok), num_key_value_heads=2, sliding_window=16, **shape))
+    config = Qwen2Config(vocab_size=len(tok), num_key_value_heads=2, use_sliding_window=True, sliding_window=4, **shape)
+    config.layer_types = ["full_attention", "sliding_attention"]
+    sliding = Qwen2ForCausalLM(config)
     assert [text for (text,) in texts_of(sliding.eval(), tok, chats[:3], batch_size=4, max_new_tokens=9)] == [
         plain_generate(sliding, tok, chat, 9) for chat in chats[:3]
     ]

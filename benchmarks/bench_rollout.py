@@ -9,22 +9,22 @@ with the release's protocol), several ways, on the same model, seed and budgets:
                         its B samples sharing it;
 - privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
                         one level, a leaf's judge prompts) prefilled once per family, its keys and values
-                        then copied into every member's row and sample;
-- other:                the generation of another privact.py (--other FILE), e.g. the cascade-attention version of
-                        commit 0d124f1, which reads each shared prefix's keys and values once per decode step.
+                        held once and read once a decode step for all its rows and samples (cascade attention);
+- other:                the generation of another privact.py (--other FILE), e.g. the copying version of commit
+                        ad6855c, which copies each family's prefix into every member's row and sample.
 
 Each arm swaps privact.generate (or privact.prefix_families, or the module) and calls rollout_chunk, which clocks
 the policy and the judge apart. Sampling draws other trees in each arm; their shapes and budgets are the same, so
 the figures are per generated token. Also printed, per arm, from hooks on the model's forward: the seconds of
 prefill (forwards of several tokens a row) and of decode (one token a row), and per decode step its rows, the
-keys and values its attention reads (the cache's tensors: a static cache's whole length, or each tier once) and
+keys and values its attention reads (a static cache's whole length; privact's, each prefix once and the own columns) and
 the weights, against this CPU's memory bandwidth (a copy of 1 GiB); the processed tokens as a share of the most
 this CPU pushes through the model (one forward of [--batch-size, 256]) and the decode FLOPs against its matmul
 ceiling (a [2048, 2048] product in the model's dtype).
 
     python benchmarks/bench_rollout.py                          # 2 cases, branching 2,2,2, 64 tokens, judge 64
-    git show 0d124f1:privact.py > /tmp/cascade.py               # the cascade-attention version
-    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/cascade.py --split test --cases 2 \\
+    git show ad6855c:privact.py > /tmp/copying.py               # the copying version
+    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/copying.py --split test --cases 2 \\
         --branching 13,1,1 --max-new-tokens 96 --temperature 0.7 --dtype bfloat16 --judge-verdict forced
     python benchmarks/bench_rollout.py --tiny DIR               # a tiny random model, seconds (the tests run it)
 """
@@ -99,11 +99,16 @@ class ForwardClock:
 
 
 def kv_bytes(cache):
-    """Bytes of keys and values a decode step's attention reads: each tier of privact's TieredLayer once, or the
-    whole tensor of any other cache layer (a static layer is read over its whole length)."""
+    """Bytes of keys and values a decode step's attention reads: of privact's CascadeLayer, each family's prefix
+    once and the rows' own columns filled so far; of any other cache layer, its whole tensor (a static layer is read
+    over its whole length)."""
     total = 0
-    for layer in cache.layers:
-        tensors = [layer.keys] + [keys for keys, *_ in getattr(layer, "tiers", ())]
+    for index, layer in enumerate(cache.layers):
+        tensors = [layer.keys]
+        if hasattr(layer, "families"):
+            tensors = [prefix.layers[index].keys for _, _, prefix in layer.families]
+            if layer.is_initialized:
+                tensors.append(layer.keys[:, :, : layer.filled])
         total += 2 * sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
