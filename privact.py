@@ -1393,11 +1393,11 @@ CASCADE = "privact_cascade"
 
 
 class CascadeLayer(StaticLayer):
-    """One layer's keys and values for rows whose prompts share prefixes (prefill): each family's prefix once,
-    [1, kv_heads, p, head_dim] in `families` [(first row, end row, keys, values)], and in the static layer every
-    row's own tokens: the rest of its prompt, then what it generates, `filled` columns so far from the prompts'
-    column `offset`; a row's tokens start at its column `starts`, its family's prefix first. update returns the
-    layer, which cascade_attention reads."""
+    """One layer's keys and values for rows whose prompts share prefixes (prefill): each family's prefix once, in
+    `families` [(first row, end row, the prefix's DynamicCache: [1, kv_heads, p, head_dim] a layer)], and in the
+    static layer every row's own tokens: the rest of its prompt, then what it generates, `filled` columns so far
+    from the prompts' column `offset`; a row's tokens start at its column `starts`, its family's prefix first.
+    update returns the layer, which cascade_attention reads."""
 
     is_compileable = False
 
@@ -1481,8 +1481,8 @@ def prefill(model, prompts, family_of, pad_id, room):
 
     The common prefix of each family (family_of: n labels, a family's prompts side by side) goes through the model
     once, alone ([1, p]), and its keys and values are held once for all the family's rows. Then what follows the
-    prefixes goes through the model for all prompts at once, PREFILL_COLUMNS at a time, over the last columns that
-    hold it (a member with a shorter rest recomputes a few of its prefix's tokens, which attention then skips).
+    prefixes goes through the model for all prompts at once, over the last columns that hold it (a member with a
+    shorter rest recomputes a few of its prefix's tokens, which attention then skips).
     Position ids count real tokens only, so every row sees the keys and positions it would see alone: greedy
     decoding gives plain generate's tokens. The model must attend with CASCADE.
     """
@@ -1507,7 +1507,7 @@ def prefill(model, prompts, family_of, pad_id, room):
         families.append((first, end, alone))
         shared += [length] * len(seqs)
     # the longest part of a prompt after its family's prefix, its last token aside
-    rest = max(len(prompt) - 1 - length for prompt, length in zip(prompts, shared, strict=True))
+    rest = max(len(prompt) - 1 - prefix for prompt, prefix in zip(prompts, shared, strict=True))
     cache = Cache(layers=[CascadeLayer(families, width - 1 - rest, rest + room, row_starts) for _ in alone.layers])
     if rest > 0:
         columns = slice(width - 1 - rest, width - 1)
