@@ -1406,7 +1406,7 @@ class CascadeLayer(StaticLayer):
         self.families = families
         self.offset = offset
         self.starts = starts
-        self.filled = 0
+        self.filled = 0  # what cumulative_length counts, kept as an int: reading that tensor on a GPU syncs
 
     def update(self, key_states, value_states, *args, **kwargs):
         super().update(key_states, value_states)
