@@ -1366,26 +1366,18 @@ class Decoding:
 
 
 def prefix_families(prompts):
-    """Prompt indices in families whose members share at least half of the longest one: a case's prompts at one level,
-    the judge's prompts on one case. Lexicographic order puts them side by side. Families come longest first, so an
-    out-of-memory error shows at the start."""
-    families = []
-    in_text_order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    for i in in_text_order:
-        if families:
-            candidates = [*families[-1], i]
-            members = [prompts[j] for j in candidates]
-            shared = len(os.path.commonprefix(members))
-            longest = max(map(len, members))
-            if shared >= max(16, longest // 2):
-                families[-1].append(i)
-                continue
-        families.append([i])
-
-    def longest_member(family):
-        return max(len(prompts[i]) for i in family)
-
-    return sorted(families, key=longest_member, reverse=True)
+    """Per prompt, the number of its family: prompts that share at least half of the longest one (a case's prompts at
+    one level, the judge's prompts on one case), which lexicographic order puts side by side."""
+    family_of = [0] * len(prompts)
+    number = 0
+    family = []  # the prompts of the family being gathered
+    for i in sorted(range(len(prompts)), key=prompts.__getitem__):
+        family.append(prompts[i])
+        if len(os.path.commonprefix(family)) < max(16, max(map(len, family)) // 2):
+            number += 1
+            family = [prompts[i]]
+        family_of[i] = number
+    return family_of
 
 
 # the attention generate runs in: cascade_attention over a CascadeLayer, else sdpa's; masks as sdpa's
@@ -1393,17 +1385,21 @@ CASCADE = "privact_cascade"
 
 
 class CascadeLayer(StaticLayer):
-    """One layer's keys and values for rows whose prompts share prefixes (prefill): each family's prefix once, in
-    `families` [(first row, end row, the prefix's DynamicCache: [1, kv_heads, p, head_dim] a layer)], and in the
-    static layer every row's own tokens: the rest of its prompt, then what it generates, `filled` columns so far
-    from the prompts' column `offset`; a row's tokens start at its column `starts`, its family's prefix first.
-    update returns the layer, which cascade_attention reads."""
+    """One layer's keys and values for rows whose prompts share prefixes (prefill). The families' prefixes, each
+    once: `prefix` [families, kv_heads, longest prefix, head_dim], right-padded, a row's family `family_of` and its
+    prefix's length `shared`. In the static layer every row's own tokens: the rest of its prompt (`rest` columns), then
+    what it generates, `filled` columns so far from the prompts' column `offset`; a row's tokens start at its column
+    `starts`, its family's prefix first. A prompt's `samples` rows sit side by side, a family's rows too; `slots` place
+    the rows in a grid of `grid_rows`, the families by their most rows. update returns the layer, which
+    cascade_attention reads."""
 
     is_compileable = False
 
-    def __init__(self, families, offset, room, starts):
+    def __init__(self, prefix, family_of, shared, offset, room, starts):
         super().__init__(max_cache_len=room)
-        self.families = families
+        self.prefix = prefix
+        self.family_of = family_of
+        self.shared = shared
         self.offset = offset
         self.starts = starts
         self.filled = 0  # what cumulative_length counts, kept as an int: reading that tensor on a GPU syncs
@@ -1417,58 +1413,85 @@ class CascadeLayer(StaticLayer):
         return self.offset + self.filled
 
     def batch_repeat_interleave(self, repeats):
-        """Each row `repeats` times side by side: a prompt's samples."""
+        """Each row `repeats` times side by side: a prompt's samples, which share its rest."""
         if self.is_initialized:
             self.keys = self.keys.repeat_interleave(repeats, 0)
             self.values = self.values.repeat_interleave(repeats, 0)
         self.starts = self.starts.repeat_interleave(repeats)
-        self.families = [(first * repeats, end * repeats, prefix) for first, end, prefix in self.families]
+        self.shared = self.shared.repeat_interleave(repeats)
+        self.family_of = self.family_of.repeat_interleave(repeats)
+        self.rest = self.filled
+        self.samples = repeats
+        # a row's slot in the grid [families x most rows]: its family's row there, then its place in the family
+        sizes = torch.bincount(self.family_of)
+        most = int(sizes.max())
+        firsts = sizes.cumsum(0) - sizes
+        rows = torch.arange(len(self.family_of), device=sizes.device)
+        self.slots = self.family_of * most + rows - firsts[self.family_of]
+        self.grid_rows = len(sizes) * most
 
 
 def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
-    """Attention of query [rows, heads, q, head_dim] over a CascadeLayer, family by family. A decode step reads the
-    family's prefix once for all its rows, in one product per key/value head over every query of its group, and
-    each row's own tokens apart; both scores go through one softmax, so a row gets what it gets over its whole
-    sequence (Hydragen; FlashInfer's cascade). A prefill (q > 1) runs sdpa over the prefix copied for this layer
-    alone. The mask comes from the keys' positions: causal, within the sliding window."""
+    """Attention of query [rows, heads, q, head_dim] over a CascadeLayer. A decode step reads each family's prefix
+    once for all its rows, in one product per key/value head over every query of its group and family; each prompt's
+    rest once for its samples; each row's generated tokens apart. The scores go through one softmax, so a row gets
+    what it gets over its whole sequence (Hydragen; FlashInfer's cascade). A prefill (q > 1) runs sdpa over each
+    row's family prefix copied for this layer alone. The mask comes from the keys' positions: causal, within the
+    sliding window."""
     if not isinstance(layer, CascadeLayer):  # any other cache: the keys [rows, kv_heads, keys, head_dim]
         return sdpa_attention_forward(module, query, layer, value, attention_mask, **kwargs)
     filled = layer.filled
-    positions = layer.offset + torch.arange(filled, device=query.device) - layer.starts[:, None]
+    shared = layer.shared[:, None]
+    beyond = layer.offset + filled  # past every query: a column no real query sees
+    # the keys' positions: a row's family prefix (its padding beyond), then its own columns (padding, or the prefix
+    # recomputed, beyond)
+    prefix = torch.arange(layer.prefix.keys.shape[2], device=query.device).expand(len(shared), -1)
+    own = layer.offset + torch.arange(filled, device=query.device) - layer.starts[:, None]
+    positions = torch.cat([prefix.masked_fill(prefix >= shared, beyond), own.masked_fill(own < shared, beyond)], 1)
+    queries = positions[:, -query.shape[2] :, None]  # [rows, q, 1]
+    seen = positions[:, None] <= queries
     window = kwargs.get("sliding_window")
-    outputs = []
-    for first, end, alone in layer.families:
-        members = end - first
-        prefix = alone.layers[module.layer_idx]  # the family's keys and values [1, kv_heads, p, head_dim]
-        length = prefix.keys.shape[2]
-        # an own column of padding, or of the prefix recomputed, goes past every query: no real query sees it
-        own = positions[first:end].masked_fill(positions[first:end] < length, layer.offset + filled)
-        queries = own[:, filled - query.shape[2] :, None]  # [members, q, 1]
-        prefix_positions = torch.arange(length, device=query.device).expand(members, -1)
-        family_positions = torch.cat([prefix_positions, own], 1)[:, None]  # [members, 1, keys]
-        seen = family_positions <= queries
-        if window:
-            seen &= queries - family_positions < window
-        own_keys = layer.keys[first:end, :, :filled]
-        own_values = layer.values[first:end, :, :filled]
-        if query.shape[2] > 1:  # a prefill: sdpa, the prefix copied for this layer alone
-            keys = torch.cat([prefix.keys.expand(members, -1, -1, -1), own_keys], 2)
-            values = torch.cat([prefix.values.expand(members, -1, -1, -1), own_values], 2)
-            output = F.scaled_dot_product_attention(
-                query[first:end], keys, values, seen[:, None], scale=kwargs["scaling"], enable_gqa=True
-            )
-            outputs.append(output)
-            continue
-        grouped = query[first:end].unflatten(1, (own_keys.shape[1], -1))  # [members, kv_heads, groups, q, head_dim]
-        prefix_scores = torch.einsum("mkgqd,kpd->mkgqp", grouped, prefix.keys[0])
-        own_scores = torch.einsum("mkgqd,mkpd->mkgqp", grouped, own_keys)
-        scores = torch.cat([prefix_scores, own_scores], -1) * kwargs["scaling"]
-        probs = scores.masked_fill(~seen[:, None, None], -math.inf).softmax(-1, dtype=torch.float32).to(query.dtype)
-        prefix_probs, own_probs = probs.split([length, filled], -1)
-        prefix_part = torch.einsum("mkgqp,kpd->mkgqd", prefix_probs, prefix.values[0])
-        own_part = torch.einsum("mkgqp,mkpd->mkgqd", own_probs, own_values)
-        outputs.append((prefix_part + own_part).flatten(1, 2))
-    return torch.cat(outputs).transpose(1, 2), None
+    if window:
+        seen &= queries - positions[:, None] < window
+    own_keys = layer.keys[:, :, :filled]
+    own_values = layer.values[:, :, :filled]
+    if query.shape[2] > 1:  # a prefill: sdpa, each row's family prefix copied for this layer alone
+        keys = torch.cat([layer.prefix.keys[layer.family_of], own_keys], 2)
+        values = torch.cat([layer.prefix.values[layer.family_of], own_values], 2)
+        output = F.scaled_dot_product_attention(
+            query, keys, values, seen[:, None], scale=kwargs["scaling"], enable_gqa=True
+        )
+        return output.transpose(1, 2), None
+    # three levels of keys and values [sharers, kv_heads, keys, head_dim], each entry read once by the rows that
+    # share it: the families' prefixes (the rows placed in their grid), the prompts' rests, the rows' generated tokens
+    rest = layer.rest
+    keys = [layer.prefix.keys, own_keys[:: layer.samples, :, :rest], own_keys[:, :, rest:]]
+    values = [layer.prefix.values, own_values[:: layer.samples, :, :rest], own_values[:, :, rest:]]
+    grouped = query.unflatten(1, (own_keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
+    scores = [shared_product("smkgqd,skpd->smkgqp", in_grid(grouped, layer), keys[0])[layer.slots]]
+    for level in keys[1:]:
+        scores.append(shared_product("smkgqd,skpd->smkgqp", grouped, level))
+    scores = torch.cat(scores, -1) * kwargs["scaling"]
+    probs = scores.masked_fill(~seen[:, None, None], -math.inf).softmax(-1, dtype=torch.float32).to(query.dtype)
+    prefix_probs, rest_probs, new_probs = probs.split([level.shape[2] for level in keys], -1)
+    output = shared_product("smkgqp,skpd->smkgqd", in_grid(prefix_probs, layer), values[0])[layer.slots]
+    output = output + shared_product("smkgqp,skpd->smkgqd", rest_probs, values[1])
+    output = output + shared_product("smkgqp,skpd->smkgqd", new_probs, values[2])
+    return output.flatten(1, 2).transpose(1, 2), None
+
+
+def shared_product(equation, rows, level):
+    """torch.einsum(equation) of rows [members, ...] and a level of keys or values [sharers, kv_heads, keys,
+    head_dim], each of whose entries the next members / sharers rows share: one product per entry for all of them."""
+    by_sharer = rows.unflatten(0, (len(level), -1))
+    return torch.einsum(equation, by_sharer, level).flatten(0, 1)
+
+
+def in_grid(rows, layer):
+    """rows [n, ...] placed at their slots of the grid of families [families x most rows, ...], zeros elsewhere
+    (CascadeLayer.slots)."""
+    placed = rows.new_zeros((layer.grid_rows, *rows.shape[1:]))
+    return placed.index_copy(0, layer.slots, rows)
 
 
 AttentionInterface.register(CASCADE, cascade_attention)
@@ -1480,11 +1503,11 @@ def prefill(model, prompts, family_of, pad_id, room):
     tokens; generate's first step then reads each prompt's last token.
 
     The common prefix of each family (family_of: n labels, a family's prompts side by side) goes through the model
-    once, alone ([1, p]), and its keys and values are held once for all the family's rows. Then what follows the
-    prefixes goes through the model for all prompts at once, over the last columns that hold it (a member with a
-    shorter rest recomputes a few of its prefix's tokens, which attention then skips).
-    Position ids count real tokens only, so every row sees the keys and positions it would see alone: greedy
-    decoding gives plain generate's tokens. The model must attend with CASCADE.
+    once, alone ([1, p]); the families' keys and values are held side by side, right-padded to the longest prefix,
+    once for all their rows. Then what follows the prefixes goes through the model for all prompts at once,
+    over the last columns that hold it (a member with a shorter rest recomputes a few of its prefix's tokens, which
+    attention then skips). Position ids count real tokens only, so every row sees the keys and positions it would
+    see alone: greedy decoding gives plain generate's tokens. The model must attend with CASCADE.
     """
     width = max(map(len, prompts))
     starts = [width - len(prompt) for prompt in prompts]
@@ -1494,26 +1517,40 @@ def prefill(model, prompts, family_of, pad_id, room):
     # each token's position in its prompt, as generate derives them from the mask; padding's are negative
     positions = torch.arange(width, device=model.device) - row_starts[:, None]  # [n, W]
     mask = (positions >= 0).long()
-    families = []  # (first prompt, end prompt, the keys and values of their prefix)
+    alone = []  # each family's prefix through the model alone, its keys and values [1, kv_heads, p, head_dim] a layer
     shared = []  # per prompt, its family's prefix length
+    family_index = []  # per prompt, its family's index
     for _, members in itertools.groupby(family_of):
-        first = len(shared)
-        end = first + len(list(members))
-        seqs = prompts[first:end]
+        seqs = prompts[len(shared) : len(shared) + len(list(members))]
         # the last token of each prompt is left for generate's first step
         length = min(len(os.path.commonprefix(seqs)), min(map(len, seqs)) - 1)
-        alone = DynamicCache()
-        model(input_ids=torch.tensor([seqs[0][:length]], device=model.device), cache=alone, logits_to_keep=1)
-        families.append((first, end, alone))
+        family_index += [len(alone)] * len(seqs)
         shared += [length] * len(seqs)
+        alone.append(DynamicCache())
+        model(input_ids=torch.tensor([seqs[0][:length]], device=model.device), cache=alone[-1], logits_to_keep=1)
+    # a layer's prefixes side by side, right-padded: [families, kv_heads, the longest prefix, head_dim]
+    prefixes = DynamicCache()
+    for index in range(len(alone[0].layers)):
+        keys = [family.layers[index].keys for family in alone]
+        values = [family.layers[index].values for family in alone]
+        prefixes.update(right_padded(keys, max(shared)), right_padded(values, max(shared)), index)
     # the longest part of a prompt after its family's prefix, its last token aside
     rest = max(len(prompt) - 1 - prefix for prompt, prefix in zip(prompts, shared, strict=True))
-    cache = Cache(layers=[CascadeLayer(families, width - 1 - rest, rest + room, row_starts) for _ in alone.layers])
+    offset = width - 1 - rest
+    labels = torch.tensor(family_index, device=model.device)
+    lengths = torch.tensor(shared, device=model.device)
+    layers = [CascadeLayer(prefix, labels, lengths, offset, rest + room, row_starts) for prefix in prefixes.layers]
+    cache = Cache(layers=layers)
     if rest > 0:
-        columns = slice(width - 1 - rest, width - 1)
+        columns = slice(offset, width - 1)
         inputs = {"input_ids": ids[:, columns], "position_ids": positions[:, columns].clamp(min=0)}
         model(**inputs, attention_mask=mask[:, : columns.stop], cache=cache, logits_to_keep=1)
     return ids, mask, cache
+
+
+def right_padded(tensors, length):
+    """Tensors [1, kv_heads, p, head_dim] side by side, each padded with zeros to `length` positions."""
+    return torch.cat([F.pad(tensor, (0, 0, 0, length - tensor.shape[2])) for tensor in tensors])
 
 
 @torch.inference_mode()
@@ -1543,9 +1580,8 @@ def generate(model, tok, chats, decoding, cfg):
     )
     # each family's prefix held once for its rows and samples (cascade_attention; any other cache: sdpa's)
     model.set_attn_implementation(CASCADE)
-    families = prefix_families(prompts)
-    family_of = {i: n for n, family in enumerate(families) for i in family}
-    order = sorted(family_of, key=family_of.get)
+    family_of = prefix_families(prompts)
+    order = sorted(range(len(prompts)), key=family_of.__getitem__)
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
     for first in tqdm(range(0, len(order), per_batch), "generate", unit="batch", leave=False):
@@ -2549,8 +2585,9 @@ class SamplingFlags:
     """the generation budget of each agent output, in tokens (the paper's 1000); a cut output is recorded"""
     temperature: float = opt(1.0, above=0)
     """the sampling temperature where outputs are sampled (the paper's 1.0; no top-k, no top-p)"""
-    batch_size: int = opt(16, low=1)
-    """sequences per generate call (prompts x samples); lower it after an out-of-memory error"""
+    batch_size: int = opt(64, low=1)
+    """sequences per generate call (prompts x samples); a family's shared prefix is held once, so a row costs little
+    more than its own tokens; lower it after an out-of-memory error"""
     chunk_cases: int = opt(8, low=1)
     """cases rolled out together and written as one file: what a killed run redoes, and each process's share"""
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"

@@ -46,6 +46,7 @@ from conftest import (
     real_backbone_model,
     run_cli,
     saved_weights,
+    tiny_llama,
     torchrun,
     train_args,
     write_pairs,
@@ -1269,17 +1270,26 @@ def test_a_served_judge_reads_the_chats_as_the_release_rendered_them(
     assert all(key not in text for text in (out, err, *files))
 
 
-def plain_generate(model, tok, chat, max_new_tokens):
-    """The reference: the chat's greedy completion text from one plain model.generate call, alone."""
+def plain_generate(model, tok, chats, max_new_tokens, samples=1, temperature=None):
+    """The reference: the chats' completion texts from one plain model.generate call over them, left-padded; greedy,
+    or `samples` a chat drawn at `temperature` (no top-k or top-p)."""
     from transformers import GenerationConfig
 
-    text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, date_string=privact.CHAT_DATE)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    texts = [
+        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, date_string=privact.CHAT_DATE)
+        for chat in chats
+    ]
+    batch = tok(texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+    sampling = {"do_sample": False}
+    if temperature:
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    gen = GenerationConfig(
+        max_new_tokens=max_new_tokens, num_return_sequences=samples, pad_token_id=tok.pad_token_id, **sampling
+    )
     gen.eos_token_id = tok.eos_token_id
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        out = model.generate(**batch, generation_config=gen)
+    return tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def texts_of(model, tok, chats, batch_size=8, **decoding):
@@ -1292,7 +1302,7 @@ def texts_of(model, tok, chats, batch_size=8, **decoding):
     return texts
 
 
-def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
+def test_generation_gives_each_chat_its_own_plain_generate_tokens(tmp_path):
     """Prompts that share a prefix (synthetic ones, and real PrivacyLens verifier prompts) go side by side, the prefix
     prefilled once per family, in batches: each chat gets the greedy text of its own plain generate call. So does a
     model with a sliding-window layer after a full one (Qwen2 layout, window 4 < a prompt's own tokens): its cache keeps
@@ -1300,7 +1310,8 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
     prompts."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    model, tok = privact.load_model(tiny_model)
+    # a random model whose weights (std 1) make its tokens follow what it attends to
+    model, tok = privact.load_model(tiny_llama(tmp_path, init=1.0))
     base = "The same long opening line of the case. " * 4
     chats = [[{"role": "user", "content": base + tail}] for tail in ("Ask.", "Ask it twice, now.", "x", base, "")]
     drafts = [("generator", f"Thought: send it{'!' * k}\nAction: X") for k in range(3)]
@@ -1308,7 +1319,12 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
         privact.build_chat("verifier", case, [draft]) for case in privact.load_cases("", "train", 2) for draft in drafts
     ]
     assert [text for (text,) in texts_of(model, tok, chats, batch_size=4, max_new_tokens=8)] == [
-        plain_generate(model, tok, chat, 8) for chat in chats
+        plain_generate(model, tok, [chat], 8)[0] for chat in chats
+    ]
+    # a short prompt beside a long one: its family's prefix padded to the long one's, the padding never read
+    pair = [chats[2], chats[5]]
+    assert [text for (text,) in texts_of(model, tok, pair, batch_size=2, max_new_tokens=8)] == [
+        plain_generate(model, tok, [chat], 8)[0] for chat in pair
     ]
     torch.manual_seed(0)
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -1316,12 +1332,19 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tiny_model):
     config.layer_types = ["full_attention", "sliding_attention"]
     sliding = Qwen2ForCausalLM(config)
     assert [text for (text,) in texts_of(sliding.eval(), tok, chats[:3], batch_size=4, max_new_tokens=9)] == [
-        plain_generate(sliding, tok, chat, 9) for chat in chats[:3]
+        plain_generate(sliding, tok, [chat], 9)[0] for chat in chats[:3]
     ]
+    # sampled: a case's verifier prompts (one family), three samples each, which read their prompt's rest once: the
+    # draws of plain generate(num_return_sequences=3) under one seed
+    family = chats[5:8]
+    torch.manual_seed(1)
+    sampled = texts_of(model, tok, family, batch_size=9, samples=3, max_new_tokens=8, temperature=0.7)
+    torch.manual_seed(1)
+    assert sum(sampled, []) == plain_generate(model, tok, family, 8, samples=3, temperature=0.7)
     system = list(range(100, 140))
     case_a, case_b = system + [1] * 300, system + [2] * 200
     prompts = [case_b + [7, 8], case_a + [9], system + [3] * 50, case_a + [5, 5], case_b + [6]]
-    assert privact.prefix_families(prompts) == [[3, 1], [4, 0], [2]]  # longest first, members side by side
+    assert privact.prefix_families(prompts) == [1, 0, 2, 0, 1]
 
 
 def test_sampling_is_plain_temperature_sampling_under_a_seed(tiny_model, monkeypatch):

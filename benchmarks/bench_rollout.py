@@ -9,7 +9,8 @@ with the release's protocol), several ways, on the same model, seed and budgets:
                         its B samples sharing it;
 - privact:              privact.generate as collect runs it: prompts that share a prefix (a case's prompts at
                         one level, a leaf's judge prompts) prefilled once per family, its keys and values
-                        held once and read once a decode step for all its rows and samples (cascade attention);
+                        held once and read once a decode step for all its rows and samples, each prompt's rest
+                        once for its samples (cascade attention);
 - other:                the generation of another privact.py (--other FILE), e.g. the copying version of commit
                         ad6855c, which copies each family's prefix into every member's row and sample.
 
@@ -17,15 +18,15 @@ Each arm swaps privact.generate (or privact.prefix_families, or the module) and 
 the policy and the judge apart. Sampling draws other trees in each arm; their shapes and budgets are the same, so
 the figures are per generated token. Also printed, per arm, from hooks on the model's forward: the seconds of
 prefill (forwards of several tokens a row) and of decode (one token a row), and per decode step its rows, the
-keys and values its attention reads (a static cache's whole length; privact's, each prefix once and the own columns) and
-the weights, against this CPU's memory bandwidth (a copy of 1 GiB); the processed tokens as a share of the most
-this CPU pushes through the model (one forward of [--batch-size, 256]) and the decode FLOPs against its matmul
-ceiling (a [2048, 2048] product in the model's dtype).
+keys and values its attention reads, per role (a static cache's whole length; privact's, each prefix once, each
+prompt's rest once and the generated columns) and the weights, against this CPU's memory bandwidth (a copy of 1
+GiB); the processed tokens as a share of the most this CPU pushes through the model (one forward of [--batch-size,
+256]) and the decode FLOPs against its matmul ceiling (a [2048, 2048] product in the model's dtype).
 
     python benchmarks/bench_rollout.py                          # 2 cases, branching 2,2,2, 64 tokens, judge 64
     git show ad6855c:privact.py > /tmp/copying.py               # the copying version
-    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/copying.py --split test --cases 2 \\
-        --branching 13,1,1 --max-new-tokens 96 --temperature 0.7 --dtype bfloat16 --judge-verdict forced
+    python benchmarks/bench_rollout.py --arms privact,other --other /tmp/copying.py --split test --cases 4 \\
+        --branching 13,1,1 --batch-size 64 --max-new-tokens 96 --temperature 0.7 --dtype bfloat16 --judge-verdict forced
     python benchmarks/bench_rollout.py --tiny DIR               # a tiny random model, seconds (the tests run it)
 """
 
@@ -51,6 +52,8 @@ class ForwardClock:
 
     def __init__(self, model):
         self.weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.role = "judge"  # whom the model runs for: an agent role or the judge (run_arm sets it)
+        model.clock = self
         self.reset()
         model.register_forward_pre_hook(self.before, with_kwargs=True)
         model.register_forward_hook(self.after, with_kwargs=True)
@@ -68,7 +71,8 @@ class ForwardClock:
         self.processed += ids.numel()
         cache = kwargs.get("cache")
         if ids.shape[1] == 1 and cache is not None:
-            self.step = {"rows": ids.shape[0], "kv_bytes": kv_bytes(cache), "context": int(cache.get_seq_length())}
+            context = int(cache.get_seq_length())
+            self.step = {"rows": ids.shape[0], "kv_bytes": kv_bytes(cache), "context": context, "role": self.role}
 
     def after(self, module, args, kwargs, output):
         sync()
@@ -91,6 +95,10 @@ class ForwardClock:
         figures.update(decode_steps=n, rows_a_step=round(rows, 1))
         figures["context_a_step"] = round(sum(s["context"] for s in steps) / len(steps))
         figures["kv_mb_a_step"] = round(kv / 2**20, 1)
+        by_role = {}
+        for step in self.steps:
+            by_role.setdefault(step["role"], []).append(step["kv_bytes"])
+        figures["kv_mb_a_step_by_role"] = {role: round(sum(b) / len(b) / 2**20, 1) for role, b in by_role.items()}
         figures["weights_mb_a_step"] = round(self.weights / 2**20, 1)
         figures["seconds_a_step"] = round(step_seconds, 4)
         figures["bandwidth_share"] = round((kv + self.weights) / step_seconds / bandwidth, 3)
@@ -100,15 +108,16 @@ class ForwardClock:
 
 def kv_bytes(cache):
     """Bytes of keys and values a decode step's attention reads: of privact's CascadeLayer, each family's prefix
-    once and the rows' own columns filled so far; of any other cache layer, its whole tensor (a static layer is read
-    over its whole length)."""
+    once (padded to the batch's longest), each prompt's rest once (its samples share it) and the rows' generated
+    columns so far; of any other cache layer, its whole tensor (a static layer is read over its whole length)."""
     total = 0
-    for index, layer in enumerate(cache.layers):
+    for layer in cache.layers:
         tensors = [layer.keys]
-        if hasattr(layer, "families"):
-            tensors = [prefix.layers[index].keys for _, _, prefix in layer.families]
+        if hasattr(layer, "prefix"):
+            tensors = [layer.prefix.keys]
             if layer.is_initialized:
-                tensors.append(layer.keys[:, :, : layer.filled])
+                tensors.append(layer.keys[:: layer.samples, :, : layer.rest])
+                tensors.append(layer.keys[:, :, layer.rest : layer.filled])
         total += 2 * sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
@@ -195,12 +204,13 @@ def plain_generate(model, tok, chats, decoding, cfg, per_prompt=False):
 
 def one_prompt_families(prompts):
     """privact.prefix_families' shape with every prompt alone: prefill once per prompt, no cross-prompt sharing."""
-    return [[i] for i in range(len(prompts))]
+    return list(range(len(prompts)))
 
 
 def run_arm(arm, cases, chain, models, cfg, other=None):
     """rollout_chunk with `arm`'s generation -> its counts (seconds and generated tokens of policy and judge);
-    `other`: the privact module of the arm "other"."""
+    `other`: the privact module of the arm "other". A model's ForwardClock, if any, is told whom each call runs
+    for."""
     real_generate, real_families = privact.generate, privact.prefix_families
     if arm == "generate-batched":
         privact.generate = plain_generate
@@ -209,11 +219,24 @@ def run_arm(arm, cases, chain, models, cfg, other=None):
     elif arm == "privact-per-prompt":
         privact.prefix_families = one_prompt_families
     module = other if arm == "other" else privact
+    real_sample, real_judge = module.sample_role, module.judge
+
+    def sample_role(models, cfg, role, chats, width):
+        models[role][0].clock.role = role
+        return real_sample(models, cfg, role, chats, width)
+
+    def judge(models, cfg, chats, kind):
+        models["judge"][0].clock.role = "judge"
+        return real_judge(models, cfg, chats, kind)
+
+    if hasattr(models["judge"][0], "clock"):
+        module.sample_role, module.judge = sample_role, judge
     try:
         torch.manual_seed(cfg.seed)
         _, counts = module.rollout_chunk(cases, module.Chain(*chain), models, cfg)
     finally:
         privact.generate, privact.prefix_families = real_generate, real_families
+        module.sample_role, module.judge = real_sample, real_judge
     return counts
 
 
@@ -281,7 +304,8 @@ def report(arm, counts, clock, args, ceilings):
         f"{counts['judge_seconds']:.1f} s: {figures['seconds_per_1k_tokens']} s per 1k tokens; prefill "
         f"{figures['prefill_seconds']} s, decode {figures['decode_seconds']} s in {figures['decode_steps']} steps of "
         f"{figures['rows_a_step']} rows at context {figures['context_a_step']}: {figures['seconds_a_step']} s a step "
-        f"reading {figures['kv_mb_a_step']} MB of keys and values and {figures['weights_mb_a_step']} MB of weights "
+        f"reading {figures['kv_mb_a_step']} MB of keys and values ({figures['kv_mb_a_step_by_role']}) and "
+        f"{figures['weights_mb_a_step']} MB of weights "
         f"({figures['bandwidth_share']:.0%} of the memory bandwidth, {figures['flops_share']:.0%} of the matmul "
         f"ceiling)",
         flush=True,
