@@ -1366,18 +1366,26 @@ class Decoding:
 
 
 def prefix_families(prompts):
-    """Per prompt, the number of its family: prompts that share at least half of the longest one (a case's prompts at
-    one level, the judge's prompts on one case), which lexicographic order puts side by side."""
-    family_of = [0] * len(prompts)
-    number = 0
-    family = []  # the prompts of the family being gathered
-    for i in sorted(range(len(prompts)), key=prompts.__getitem__):
-        family.append(prompts[i])
-        if len(os.path.commonprefix(family)) < max(16, max(map(len, family)) // 2):
-            number += 1
-            family = [prompts[i]]
-        family_of[i] = number
-    return family_of
+    """Prompt indices in families whose members share at least half of the longest one: a case's prompts at one level,
+    the judge's prompts on one case. Lexicographic order puts them side by side. Families come longest first, so an
+    out-of-memory error shows at the start."""
+    families = []
+    in_text_order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    for i in in_text_order:
+        if families:
+            candidates = [*families[-1], i]
+            members = [prompts[j] for j in candidates]
+            shared = len(os.path.commonprefix(members))
+            longest = max(map(len, members))
+            if shared >= max(16, longest // 2):
+                families[-1].append(i)
+                continue
+        families.append([i])
+
+    def longest_member(family):
+        return max(len(prompts[i]) for i in family)
+
+    return sorted(families, key=longest_member, reverse=True)
 
 
 # the attention generate runs in: cascade_attention over a CascadeLayer, else sdpa's; masks as sdpa's
@@ -1580,8 +1588,9 @@ def generate(model, tok, chats, decoding, cfg):
     )
     # each family's prefix held once for its rows and samples (cascade_attention; any other cache: sdpa's)
     model.set_attn_implementation(CASCADE)
-    family_of = prefix_families(prompts)
-    order = sorted(range(len(prompts)), key=family_of.__getitem__)
+    families = prefix_families(prompts)
+    family_of = {i: n for n, family in enumerate(families) for i in family}
+    order = sorted(family_of, key=family_of.get)
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
     for first in tqdm(range(0, len(order), per_batch), "generate", unit="batch", leave=False):
@@ -2585,9 +2594,9 @@ class SamplingFlags:
     """the generation budget of each agent output, in tokens (the paper's 1000); a cut output is recorded"""
     temperature: float = opt(1.0, above=0)
     """the sampling temperature where outputs are sampled (the paper's 1.0; no top-k, no top-p)"""
-    batch_size: int = opt(64, low=1)
+    batch_size: int = opt(16, low=1)
     """sequences per generate call (prompts x samples); a family's shared prefix is held once, so a row costs little
-    more than its own tokens; lower it after an out-of-memory error"""
+    more than its own tokens: raise it where memory allows (the paper's 64), lower it after an out-of-memory error"""
     chunk_cases: int = opt(8, low=1)
     """cases rolled out together and written as one file: what a killed run redoes, and each process's share"""
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = "auto"

@@ -1336,7 +1336,7 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tmp_path):
     ]
     # sampled: a case's verifier prompts (one family), three samples each, which read their prompt's rest once: the
     # draws of plain generate(num_return_sequences=3) under one seed
-    family = chats[5:8]
+    family = chats[7:4:-1]  # in the order of their token ids, which the family keeps
     torch.manual_seed(1)
     sampled = texts_of(model, tok, family, batch_size=9, samples=3, max_new_tokens=8, temperature=0.7)
     torch.manual_seed(1)
@@ -1344,7 +1344,7 @@ def test_generation_gives_each_chat_its_own_plain_generate_tokens(tmp_path):
     system = list(range(100, 140))
     case_a, case_b = system + [1] * 300, system + [2] * 200
     prompts = [case_b + [7, 8], case_a + [9], system + [3] * 50, case_a + [5, 5], case_b + [6]]
-    assert privact.prefix_families(prompts) == [1, 0, 2, 0, 1]
+    assert privact.prefix_families(prompts) == [[3, 1], [4, 0], [2]]  # longest first, members side by side
 
 
 def test_sampling_is_plain_temperature_sampling_under_a_seed(tiny_model, monkeypatch):

@@ -204,7 +204,7 @@ def plain_generate(model, tok, chats, decoding, cfg, per_prompt=False):
 
 def one_prompt_families(prompts):
     """privact.prefix_families' shape with every prompt alone: prefill once per prompt, no cross-prompt sharing."""
-    return list(range(len(prompts)))
+    return [[i] for i in range(len(prompts))]
 
 
 def run_arm(arm, cases, chain, models, cfg, other=None):
