@@ -1545,9 +1545,11 @@ def prefill(model, prompts, family_of, pad_id, room):
     # the longest part of a prompt after its family's prefix, its last token aside
     rest = max(len(prompt) - 1 - prefix for prompt, prefix in zip(prompts, shared, strict=True))
     offset = width - 1 - rest
-    labels = torch.tensor(family_index, device=model.device)
+    row_families = torch.tensor(family_index, device=model.device)
     lengths = torch.tensor(shared, device=model.device)
-    layers = [CascadeLayer(prefix, labels, lengths, offset, rest + room, row_starts) for prefix in prefixes.layers]
+    layers = [
+        CascadeLayer(prefix, row_families, lengths, offset, rest + room, row_starts) for prefix in prefixes.layers
+    ]
     cache = Cache(layers=layers)
     if rest > 0:
         columns = slice(offset, width - 1)
