@@ -1395,11 +1395,12 @@ CASCADE = "privact_cascade"
 class CascadeLayer(StaticLayer):
     """One layer's keys and values for rows whose prompts share prefixes (prefill). The families' prefixes, each
     once: `prefix` [families, kv_heads, longest prefix, head_dim], right-padded, a row's family `family_of` and its
-    prefix's length `shared`. In the static layer every row's own tokens: the rest of its prompt (`rest` columns), then
-    what it generates, `filled` columns so far from the prompts' column `offset`; a row's tokens start at its column
-    `starts`, its family's prefix first. A prompt's `samples` rows sit side by side, a family's rows too; `slots` place
-    the rows in a grid of `grid_rows`, the families by their most rows. update returns the layer, which
-    cascade_attention reads."""
+    prefix's length `shared`. Each prompt's rest, the columns from the prompts' column `offset` on (`rest_keys`,
+    `rest_values` [prompts, kv_heads, rest, head_dim], left-padded), once for its samples. Then, in the static layer,
+    what each row generates. `filled` own columns so far (the rest, then the generated); a row's tokens start at its
+    column `starts`, its family's prefix first. A prompt's `samples` rows sit side by side (None before generate
+    repeats them: the prefill), a family's rows too; `slots` place the rows in a grid of `grid_rows`, the families by
+    their most rows. update returns the layer, which cascade_attention reads."""
 
     is_compileable = False
 
@@ -1410,10 +1411,18 @@ class CascadeLayer(StaticLayer):
         self.shared = shared
         self.offset = offset
         self.starts = starts
+        self.samples = None
+        # no rest until the prefill's forward writes one: [prompts, kv_heads, 0, head_dim]
+        self.rest_keys = prefix.keys[family_of, :, :0]
+        self.rest_values = prefix.values[family_of, :, :0]
         self.filled = 0  # what cumulative_length counts, kept as an int: reading that tensor on a GPU syncs
 
     def update(self, key_states, value_states, *args, **kwargs):
-        super().update(key_states, value_states)
+        if self.samples is None:  # the prefill's rests, laid out for the products that read them
+            self.rest_keys = key_states.contiguous()
+            self.rest_values = value_states.contiguous()
+        else:
+            super().update(key_states, value_states)
         self.filled += key_states.shape[2]
         return self, self
 
@@ -1422,13 +1431,9 @@ class CascadeLayer(StaticLayer):
 
     def batch_repeat_interleave(self, repeats):
         """Each row `repeats` times side by side: a prompt's samples, which share its rest."""
-        if self.is_initialized:
-            self.keys = self.keys.repeat_interleave(repeats, 0)
-            self.values = self.values.repeat_interleave(repeats, 0)
         self.starts = self.starts.repeat_interleave(repeats)
         self.shared = self.shared.repeat_interleave(repeats)
         self.family_of = self.family_of.repeat_interleave(repeats)
-        self.rest = self.filled
         self.samples = repeats
         # a row's slot in the grid [families x most rows]: its family's row there, then its place in the family
         sizes = torch.bincount(self.family_of)
@@ -1443,7 +1448,7 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
     """Attention of query [rows, heads, q, head_dim] over a CascadeLayer. A decode step reads each family's prefix
     once for all its rows, in one product per key/value head over every query of its group and family; each prompt's
     rest once for its samples; each row's generated tokens apart. The scores go through one softmax, so a row gets
-    what it gets over its whole sequence (Hydragen; FlashInfer's cascade). A prefill (q > 1) runs sdpa over each
+    what it gets over its whole sequence (Hydragen; FlashInfer's cascade). The prefill runs sdpa over each
     row's family prefix copied for this layer alone. The mask comes from the keys' positions: causal, within the
     sliding window."""
     if not isinstance(layer, CascadeLayer):  # any other cache: the keys [rows, kv_heads, keys, head_dim]
@@ -1461,21 +1466,19 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
     window = kwargs.get("sliding_window")
     if window:
         seen &= queries - positions[:, None] < window
-    own_keys = layer.keys[:, :, :filled]
-    own_values = layer.values[:, :, :filled]
-    if query.shape[2] > 1:  # a prefill: sdpa, each row's family prefix copied for this layer alone
-        keys = torch.cat([layer.prefix.keys[layer.family_of], own_keys], 2)
-        values = torch.cat([layer.prefix.values[layer.family_of], own_values], 2)
+    if layer.samples is None:  # the prefill: sdpa, each row's family prefix copied for this layer alone
+        keys = torch.cat([layer.prefix.keys[layer.family_of], layer.rest_keys], 2)
+        values = torch.cat([layer.prefix.values[layer.family_of], layer.rest_values], 2)
         output = F.scaled_dot_product_attention(
             query, keys, values, seen[:, None], scale=kwargs["scaling"], enable_gqa=True
         )
         return output.transpose(1, 2), None
     # three levels of keys and values [sharers, kv_heads, keys, head_dim], each entry read once by the rows that
     # share it: the families' prefixes (the rows placed in their grid), the prompts' rests, the rows' generated tokens
-    rest = layer.rest
-    keys = [layer.prefix.keys, own_keys[:: layer.samples, :, :rest], own_keys[:, :, rest:]]
-    values = [layer.prefix.values, own_values[:: layer.samples, :, :rest], own_values[:, :, rest:]]
-    grouped = query.unflatten(1, (own_keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
+    generated = filled - layer.rest_keys.shape[2]
+    keys = [layer.prefix.keys, layer.rest_keys, layer.keys[:, :, :generated]]
+    values = [layer.prefix.values, layer.rest_values, layer.values[:, :, :generated]]
+    grouped = query.unflatten(1, (layer.keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
     scores = [shared_product("smkgqd,skpd->smkgqp", in_grid(grouped, layer), keys[0])[layer.slots]]
     for level in keys[1:]:
         scores.append(shared_product("smkgqd,skpd->smkgqp", grouped, level))
@@ -1547,9 +1550,7 @@ def prefill(model, prompts, family_of, pad_id, room):
     offset = width - 1 - rest
     row_families = torch.tensor(family_index, device=model.device)
     lengths = torch.tensor(shared, device=model.device)
-    layers = [
-        CascadeLayer(prefix, row_families, lengths, offset, rest + room, row_starts) for prefix in prefixes.layers
-    ]
+    layers = [CascadeLayer(prefix, row_families, lengths, offset, room, row_starts) for prefix in prefixes.layers]
     cache = Cache(layers=layers)
     if rest > 0:
         columns = slice(offset, width - 1)

@@ -114,10 +114,9 @@ def kv_bytes(cache):
     for layer in cache.layers:
         tensors = [layer.keys]
         if hasattr(layer, "prefix"):
-            tensors = [layer.prefix.keys]
+            tensors = [layer.prefix.keys, layer.rest_keys]
             if layer.is_initialized:
-                tensors.append(layer.keys[:: layer.samples, :, : layer.rest])
-                tensors.append(layer.keys[:, :, layer.rest : layer.filled])
+                tensors.append(layer.keys[:, :, : layer.filled - layer.rest_keys.shape[2]])
         total += 2 * sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
