@@ -1442,6 +1442,8 @@ class CascadeLayer(StaticLayer):
         rows = torch.arange(len(self.family_of), device=sizes.device)
         self.slots = self.family_of * most + rows - firsts[self.family_of]
         self.grid_rows = len(sizes) * most
+        if self.grid_rows == len(rows):  # families of one size: the rows are their grid already
+            self.slots = slice(None)
 
 
 def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
@@ -1478,11 +1480,13 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
     generated = filled - layer.rest_keys.shape[2]
     keys = [layer.prefix.keys, layer.rest_keys, layer.keys[:, :, :generated]]
     values = [layer.prefix.values, layer.rest_values, layer.values[:, :, :generated]]
-    grouped = query.unflatten(1, (layer.keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
+    # the scale on the query (one head_dim vector a row), not on the scores
+    scaled = query * kwargs["scaling"]
+    grouped = scaled.unflatten(1, (layer.keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
     scores = [shared_product("smkgqd,skpd->smkgqp", in_grid(grouped, layer), keys[0])[layer.slots]]
     for level in keys[1:]:
         scores.append(shared_product("smkgqd,skpd->smkgqp", grouped, level))
-    scores = torch.cat(scores, -1) * kwargs["scaling"]
+    scores = torch.cat(scores, -1)
     probs = scores.masked_fill(~seen[:, None, None], -math.inf).softmax(-1, dtype=torch.float32).to(query.dtype)
     prefix_probs, rest_probs, new_probs = probs.split([level.shape[2] for level in keys], -1)
     output = shared_product("smkgqp,skpd->smkgqd", in_grid(prefix_probs, layer), values[0])[layer.slots]
@@ -1500,7 +1504,9 @@ def shared_product(equation, rows, level):
 
 def in_grid(rows, layer):
     """rows [n, ...] placed at their slots of the grid of families [families x most rows, ...], zeros elsewhere
-    (CascadeLayer.slots)."""
+    (CascadeLayer.slots); as they are where they fill it."""
+    if layer.grid_rows == len(rows):
+        return rows
     placed = rows.new_zeros((layer.grid_rows, *rows.shape[1:]))
     return placed.index_copy(0, layer.slots, rows)
 
