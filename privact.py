@@ -1504,7 +1504,7 @@ def shared_product(equation, rows, level):
 
 def in_grid(rows, layer):
     """rows [n, ...] placed at their slots of the grid of families [families x most rows, ...], zeros elsewhere
-    (CascadeLayer.slots); as they are where they fill it."""
+    (CascadeLayer.slots); rows that fill the grid are it already."""
     if layer.grid_rows == len(rows):
         return rows
     placed = rows.new_zeros((layer.grid_rows, *rows.shape[1:]))
