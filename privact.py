@@ -1504,8 +1504,8 @@ def shared_product(equation, rows, level):
 
 def in_grid(rows, layer):
     """rows [n, ...] placed at their slots of the grid of families [families x most rows, ...], zeros elsewhere
-    (CascadeLayer.slots); rows that fill the grid are it already."""
-    if layer.grid_rows == len(rows):
+    (CascadeLayer.slots); rows that fill the grid (slots a slice) are it already."""
+    if isinstance(layer.slots, slice):
         return rows
     placed = rows.new_zeros((layer.grid_rows, *rows.shape[1:]))
     return placed.index_copy(0, layer.slots, rows)
