@@ -63,7 +63,7 @@ from accelerate.utils import parse_flag_from_env, set_seed
 from jinja2 import TemplateError
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM, AutoTokenizer, Cache
-from transformers import DynamicCache, GenerationConfig, StaticLayer
+from transformers import DynamicCache, DynamicLayer, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -1392,20 +1392,19 @@ def prefix_families(prompts):
 CASCADE = "privact_cascade"
 
 
-class CascadeLayer(StaticLayer):
+class CascadeLayer(DynamicLayer):
     """One layer's keys and values for rows whose prompts share prefixes (prefill). The families' prefixes, each
     once: `prefix` [families, kv_heads, longest prefix, head_dim], right-padded, a row's family `family_of` and its
     prefix's length `shared`. Each prompt's rest, the columns from the prompts' column `offset` on (`rest_keys`,
-    `rest_values` [prompts, kv_heads, rest, head_dim], left-padded), once for its samples. Then, in the static layer,
-    what each row generates. `filled` own columns so far (the rest, then the generated); a row's tokens start at its
-    column `starts`, its family's prefix first. A prompt's `samples` rows sit side by side (None before generate
-    repeats them: the prefill), a family's rows too; `slots` place the rows in a grid of `grid_rows`, the families by
-    their most rows. update returns the layer, which cascade_attention reads."""
+    `rest_values` [prompts, kv_heads, rest, head_dim], left-padded), once for its samples. Then what each row
+    generates, in the dynamic layer's `keys` and `values` (each step appended: a step reads them contiguous).
+    `filled` own columns so far (the rest, then the generated); a row's tokens start at its column `starts`, its
+    family's prefix first. A prompt's `samples` rows sit side by side (None before generate repeats them: the
+    prefill), a family's rows too, `sizes` of them.
+    update returns the layer, which cascade_attention reads."""
 
-    is_compileable = False
-
-    def __init__(self, prefix, family_of, shared, offset, room, starts):
-        super().__init__(max_cache_len=room)
+    def __init__(self, prefix, family_of, shared, offset, starts):
+        super().__init__()
         self.prefix = prefix
         self.family_of = family_of
         self.shared = shared
@@ -1413,8 +1412,7 @@ class CascadeLayer(StaticLayer):
         self.starts = starts
         self.samples = None
         # no rest until the prefill's forward writes one: [prompts, kv_heads, 0, head_dim]
-        self.rest_keys = prefix.keys[family_of, :, :0]
-        self.rest_values = prefix.values[family_of, :, :0]
+        self.rest_keys = self.rest_values = prefix.keys[family_of, :, :0]
         self.filled = 0  # what cumulative_length counts, kept as an int: reading that tensor on a GPU syncs
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -1435,15 +1433,7 @@ class CascadeLayer(StaticLayer):
         self.shared = self.shared.repeat_interleave(repeats)
         self.family_of = self.family_of.repeat_interleave(repeats)
         self.samples = repeats
-        # a row's slot in the grid [families x most rows]: its family's row there, then its place in the family
-        sizes = torch.bincount(self.family_of)
-        most = int(sizes.max())
-        firsts = sizes.cumsum(0) - sizes
-        rows = torch.arange(len(self.family_of), device=sizes.device)
-        self.slots = self.family_of * most + rows - firsts[self.family_of]
-        self.grid_rows = len(sizes) * most
-        if self.grid_rows == len(rows):  # families of one size: the rows are their grid already
-            self.slots = slice(None)
+        self.sizes = torch.bincount(self.family_of).tolist()
 
 
 def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
@@ -1460,9 +1450,9 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
     beyond = layer.offset + filled  # past every query: a column no real query sees
     # the keys' positions: a row's family prefix (its padding beyond), then its own columns (padding, or the prefix
     # recomputed, beyond)
-    prefix = torch.arange(layer.prefix.keys.shape[2], device=query.device).expand(len(shared), -1)
+    prefix = torch.arange(layer.prefix.keys.shape[2], device=query.device)
     own = layer.offset + torch.arange(filled, device=query.device) - layer.starts[:, None]
-    positions = torch.cat([prefix.masked_fill(prefix >= shared, beyond), own.masked_fill(own < shared, beyond)], 1)
+    positions = torch.cat([torch.where(prefix < shared, prefix, beyond), torch.where(own < shared, beyond, own)], 1)
     queries = positions[:, -query.shape[2] :, None]  # [rows, q, 1]
     seen = positions[:, None] <= queries
     window = kwargs.get("sliding_window")
@@ -1476,46 +1466,43 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
         )
         return output.transpose(1, 2), None
     # three levels of keys and values [sharers, kv_heads, keys, head_dim], each entry read once by the rows that
-    # share it: the families' prefixes (the rows placed in their grid), the prompts' rests, the rows' generated tokens
-    generated = filled - layer.rest_keys.shape[2]
-    keys = [layer.prefix.keys, layer.rest_keys, layer.keys[:, :, :generated]]
-    values = [layer.prefix.values, layer.rest_values, layer.values[:, :, :generated]]
+    # share it (`sharers`: how many, in order): the families' prefixes, the prompts' rests, the rows' generated tokens
+    keys = [layer.prefix.keys, layer.rest_keys, layer.keys]
+    values = [layer.prefix.values, layer.rest_values, layer.values]
+    sharers = [layer.sizes, [layer.samples] * len(layer.rest_keys), [1] * len(layer.keys)]
     # the scale on the query (one head_dim vector a row), not on the scores
     scaled = query * kwargs["scaling"]
     grouped = scaled.unflatten(1, (layer.keys.shape[1], -1))  # [rows, kv_heads, groups, q, head_dim]
-    scores = [shared_product("smkgqd,skpd->smkgqp", in_grid(grouped, layer), keys[0])[layer.slots]]
-    for level in keys[1:]:
-        scores.append(shared_product("smkgqd,skpd->smkgqp", grouped, level))
+    scores = []
+    for level, level_sharers in zip(keys, sharers, strict=True):
+        scores.append(shared_product("smkgqd,skpd->smkgqp", grouped, level, level_sharers))
     scores = torch.cat(scores, -1)
     probs = scores.masked_fill(~seen[:, None, None], -math.inf).softmax(-1, dtype=torch.float32).to(query.dtype)
-    prefix_probs, rest_probs, new_probs = probs.split([level.shape[2] for level in keys], -1)
-    output = shared_product("smkgqp,skpd->smkgqd", in_grid(prefix_probs, layer), values[0])[layer.slots]
-    output = output + shared_product("smkgqp,skpd->smkgqd", rest_probs, values[1])
-    output = output + shared_product("smkgqp,skpd->smkgqd", new_probs, values[2])
+    output = 0
+    levels = zip(probs.split([level.shape[2] for level in keys], -1), values, sharers, strict=True)
+    for level_probs, level, level_sharers in levels:
+        output = output + shared_product("smkgqp,skpd->smkgqd", level_probs, level, level_sharers)
     return output.flatten(1, 2).transpose(1, 2), None
 
 
-def shared_product(equation, rows, level):
-    """torch.einsum(equation) of rows [members, ...] and a level of keys or values [sharers, kv_heads, keys,
-    head_dim], each of whose entries the next members / sharers rows share: one product per entry for all of them."""
-    by_sharer = rows.unflatten(0, (len(level), -1))
-    return torch.einsum(equation, by_sharer, level).flatten(0, 1)
-
-
-def in_grid(rows, layer):
-    """rows [n, ...] placed at their slots of the grid of families [families x most rows, ...], zeros elsewhere
-    (CascadeLayer.slots); rows that fill the grid (slots a slice) are it already."""
-    if isinstance(layer.slots, slice):
-        return rows
-    placed = rows.new_zeros((layer.grid_rows, *rows.shape[1:]))
-    return placed.index_copy(0, layer.slots, rows)
+def shared_product(equation, rows, level, sharers):
+    """torch.einsum(equation) of rows [members, ...] and a level of keys or values [entries, kv_heads, keys,
+    head_dim], each of whose entries the next sharers[i] rows share: one product for all the entries where each has
+    as many rows, else one an entry."""
+    if len(set(sharers)) == 1:
+        by_entry = rows.unflatten(0, (len(level), -1))
+        return torch.einsum(equation, by_entry, level).flatten(0, 1)
+    products = []
+    for entry, members in enumerate(rows.split(sharers)):
+        products.append(shared_product(equation, members, level[entry, None], sharers[entry : entry + 1]))
+    return torch.cat(products)
 
 
 AttentionInterface.register(CASCADE, cascade_attention)
 AttentionMaskInterface.register(CASCADE, sdpa_mask)
 
 
-def prefill(model, prompts, family_of, pad_id, room):
+def prefill(model, prompts, family_of, pad_id):
     """Left-padded ids and mask [n, W] of n token-id prompts, and a cache of CascadeLayers holding their first W - 1
     tokens; generate's first step then reads each prompt's last token.
 
@@ -1556,7 +1543,7 @@ def prefill(model, prompts, family_of, pad_id, room):
     offset = width - 1 - rest
     row_families = torch.tensor(family_index, device=model.device)
     lengths = torch.tensor(shared, device=model.device)
-    layers = [CascadeLayer(prefix, row_families, lengths, offset, room, row_starts) for prefix in prefixes.layers]
+    layers = [CascadeLayer(prefix, row_families, lengths, offset, row_starts) for prefix in prefixes.layers]
     cache = Cache(layers=layers)
     if rest > 0:
         columns = slice(offset, width - 1)
@@ -1599,14 +1586,14 @@ def generate(model, tok, chats, decoding, cfg):
     model.set_attn_implementation(CASCADE)
     families = prefix_families(prompts)
     family_of = {i: n for n, family in enumerate(families) for i in family}
-    order = sorted(family_of, key=family_of.get)
+    order = list(family_of)  # the families' prompts in turn
     per_batch = max(1, cfg.batch_size // samples)
     results = [None] * len(prompts)
     for first in tqdm(range(0, len(order), per_batch), "generate", unit="batch", leave=False):
         batch = order[first : first + per_batch]
         batch_prompts = [prompts[i] for i in batch]
         labels = [family_of[i] for i in batch]
-        ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id, gen.max_new_tokens)
+        ids, mask, cache = prefill(model, batch_prompts, labels, tok.pad_token_id)
         cache.batch_repeat_interleave(samples)  # and generate repeats each prompt's ids for its samples
         out = model.generate(
             input_ids=ids,
