@@ -1413,7 +1413,7 @@ class CascadeLayer(DynamicLayer):
         self.samples = None
         # no rest until the prefill's forward writes one: [prompts, kv_heads, 0, head_dim]
         self.rest_keys = self.rest_values = prefix.keys[family_of, :, :0]
-        self.filled = 0  # what cumulative_length counts, kept as an int: reading that tensor on a GPU syncs
+        self.filled = 0  # own columns so far, the rest's then the generated: the rows' length past `offset`
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.samples is None:  # the prefill's rests, laid out for the products that read them

@@ -109,14 +109,14 @@ class ForwardClock:
 def kv_bytes(cache):
     """Bytes of keys and values a decode step's attention reads: of privact's CascadeLayer, each family's prefix
     once (padded to the batch's longest), each prompt's rest once (its samples share it) and the rows' generated
-    columns so far; of any other cache layer, its whole tensor (a static layer is read over its whole length)."""
+    tokens so far; of any other cache layer, its whole tensor (a static layer is read over its whole length)."""
     total = 0
     for layer in cache.layers:
         tensors = [layer.keys]
         if hasattr(layer, "prefix"):
             tensors = [layer.prefix.keys, layer.rest_keys]
-            if layer.is_initialized:
-                tensors.append(layer.keys[:, :, : layer.filled - layer.rest_keys.shape[2]])
+            if layer.is_initialized:  # the generated tokens, appended each step
+                tensors.append(layer.keys)
         total += 2 * sum(t.numel() * t.element_size() for t in tensors if t is not None)
     return total
 
