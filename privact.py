@@ -1465,7 +1465,7 @@ def cascade_attention(module, query, layer, value, attention_mask, **kwargs):
             query, keys, values, seen[:, None], scale=kwargs["scaling"], enable_gqa=True
         )
         return output.transpose(1, 2), None
-    # three levels of keys and values [sharers, kv_heads, keys, head_dim], each entry read once by the rows that
+    # three levels of keys and values [entries, kv_heads, keys, head_dim], each entry read once by the rows that
     # share it (`sharers`: how many, in order): the families' prefixes, the prompts' rests, the rows' generated tokens
     keys = [layer.prefix.keys, layer.rest_keys, layer.keys]
     values = [layer.prefix.values, layer.rest_values, layer.values]
